@@ -1,0 +1,63 @@
+# amp-course: `make lab` to study, `make test` to check everything. Both set themselves up.
+# Only python3 (>= 3.10) and make are needed; the virtual environment lives in .venv/.
+
+PYTHON ?= python3
+VENV   := .venv
+VPY    := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+# pytest arguments shared by the CPU and the GPU tier: library tests + every teaching and
+# solution notebook executed by nbval (stored outputs compared only in nbval-check-output cells).
+NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=600
+SUITE  := tests notebooks solutions
+LAB_ARGS ?=
+
+.PHONY: help venv lab test test-gpu bench exercises check-exercises stamp grade clean
+
+help:
+	@echo "make lab        open JupyterLab on the course (creates .venv on first use)"
+	@echo "make test       run every test: library, notebooks (nbval), grading, exercises in sync"
+	@echo "make test-gpu   the same suite with the current python3 and the GPU cells forced on"
+	@echo "make bench      FP32 / TF32 / AMP table for this machine (python -m course_lib.bench)"
+	@echo "make exercises  regenerate exercises/ from solutions/"
+	@echo "make stamp      write the Colab badge and setup cell (from pyproject.toml) into every notebook"
+	@echo "make grade SUBMISSIONS=dir [GRADEBOOK=dir]   grade a folder of submitted notebooks"
+
+# The install is redone only when pyproject.toml changes. torch and torchvision are floors:
+# pip picks a pair that imports (a fresh venv gets the newest matching pair).
+$(STAMP): pyproject.toml
+	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -e ".[lab,test]"
+	$(VPY) -c "import torch, torchvision; print('installed torch', torch.__version__, '+ torchvision', torchvision.__version__)"
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+lab: $(STAMP)
+	$(VPY) -m jupyter lab $(LAB_ARGS) notebooks/00_setup.ipynb
+
+test: $(STAMP)
+	$(VPY) -m course_lib.device
+	$(VPY) -m pytest $(SUITE) $(NBVAL)
+
+# GPU tier (see ../shared/gpu/README.md): no venv, no network; cells tagged `gpu` must run.
+test-gpu:
+	python3 -m course_lib.device
+	COURSE_GPU_TIER=1 python3 -m pytest $(SUITE) $(NBVAL) -p no:cacheprovider
+
+bench: $(STAMP)
+	$(VPY) -m course_lib.bench
+
+exercises: $(STAMP)
+	$(VPY) -m course_lib.grading generate
+
+stamp: $(STAMP)
+	$(VPY) -m course_lib.colab stamp
+
+SUBMISSIONS ?= submissions
+GRADEBOOK   ?= gradebook
+grade: $(STAMP)
+	$(VPY) -m course_lib.grading grade $(SUBMISSIONS) --out $(GRADEBOOK)
+
+clean:
+	rm -rf $(VENV) .pytest_cache runs gradebook

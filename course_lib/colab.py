@@ -1,0 +1,108 @@
+"""Colab badge and setup cell, stamped into every notebook from one configuration place.
+
+Chapter 00 explains how the course runs on Colab. The repository and ref live in
+pyproject.toml under [tool.amp-course]; `python -m course_lib.colab stamp` (make stamp)
+writes them into cell 0 (badge) and cell 1 (setup) of every notebook, so a fork or a
+workshop tag changes one line, not forty notebooks.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK_DIRS = ("notebooks", "solutions", "exercises")
+BADGE_ID, SETUP_ID = "colab-badge", "colab-setup"
+CLONE_DIR = "/content/amp-course"
+
+SETUP_TEMPLATE = '''\
+# Setup. On Colab this fetches the course (library + shipped data) at the same ref as this
+# notebook; elsewhere it does nothing but print what hardware you have. It never reinstalls
+# torch: the course only sets floors (torch>=2.4), which Colab's own torch already meets.
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    if not os.path.isdir("{clone_dir}"):
+        subprocess.run(["git", "clone", "--depth", "1", "--branch", "{ref}",
+                        "https://github.com/{repo}", "{clone_dir}"], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", "{clone_dir}"], check=True)
+    sys.path.insert(0, "{clone_dir}")  # the editable install is only seen after a restart
+from course_lib.device import hardware_report
+print(hardware_report())'''
+
+
+def read_config(root: Path = ROOT) -> dict[str, str]:
+    """Chapter 00: the course's GitHub repo and ref, from pyproject.toml [tool.amp-course]."""
+    text = (root / "pyproject.toml").read_text()
+    try:
+        import tomllib  # Python >= 3.11
+        cfg = tomllib.loads(text)["tool"]["amp-course"]
+    except ModuleNotFoundError:  # Python 3.10: the table is two plain `key = "value"` lines
+        block = text.split("[tool.amp-course]", 1)[1].split("\n[", 1)[0]
+        cfg = dict(re.findall(r'^(\w+)\s*=\s*"([^"]*)"', block, flags=re.M))
+    return {"repo": cfg["repo"], "ref": cfg["ref"]}
+
+
+def badge_source(relpath: str, cfg: dict[str, str]) -> str:
+    url = f"https://colab.research.google.com/github/{cfg['repo']}/blob/{cfg['ref']}/{relpath}"
+    return f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
+
+
+def setup_source(cfg: dict[str, str]) -> str:
+    return SETUP_TEMPLATE.format(clone_dir=CLONE_DIR, **cfg)
+
+
+def stamp_notebook(nb: nbformat.NotebookNode, relpath: str, cfg: dict[str, str] | None = None) -> bool:
+    """Chapter 00: make cell 0 the badge and cell 1 the setup cell; set Colab metadata.
+
+    Idempotent: returns True only if something changed. Cells are found by their ids, so
+    re-stamping replaces them instead of adding more.
+    """
+    cfg = cfg or read_config()
+    before = nbformat.writes(nb)
+    nb.cells = [c for c in nb.cells if c.get("id") not in (BADGE_ID, SETUP_ID)]
+    badge = nbformat.v4.new_markdown_cell(badge_source(relpath, cfg))
+    badge["id"] = BADGE_ID
+    setup = nbformat.v4.new_code_cell(setup_source(cfg))
+    setup["id"] = SETUP_ID
+    nb.cells[:0] = [badge, setup]
+    nb.metadata["accelerator"] = "GPU"
+    nb.metadata.setdefault("colab", {})["gpuType"] = "T4"
+    nb.metadata.setdefault("colab", {}).setdefault("provenance", [])
+    nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    nb.metadata.setdefault("language_info", {})["name"] = "python"
+    return nbformat.writes(nb) != before
+
+
+def notebook_paths(root: Path = ROOT) -> list[Path]:
+    return sorted(p for d in NOTEBOOK_DIRS for p in (root / d).glob("*.ipynb"))
+
+
+def stamp_all(root: Path = ROOT, check: bool = False) -> list[Path]:
+    """Chapter 00: stamp every notebook; with check=True only report the ones that need it."""
+    cfg, changed = read_config(root), []
+    for path in notebook_paths(root):
+        nb = nbformat.read(path, as_version=4)
+        if stamp_notebook(nb, path.relative_to(root).as_posix(), cfg):
+            changed.append(path)
+            if not check:
+                nbformat.write(nb, path)
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m course_lib.colab", description=__doc__.splitlines()[0])
+    p.add_argument("command", choices=["stamp"])
+    p.add_argument("--check", action="store_true", help="only list notebooks that are not stamped; exit 1 if any")
+    args = p.parse_args(argv)
+    changed = stamp_all(check=args.check)
+    for path in changed:
+        print(("needs stamping: " if args.check else "stamped: ") + str(path.relative_to(ROOT)))
+    return 1 if (args.check and changed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

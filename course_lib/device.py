@@ -1,0 +1,176 @@
+"""What the hardware can do, and which precision to train in on it.
+
+Chapter 00 introduces everything here. The one rule worth remembering: decide bf16 by the
+GPU's compute capability (>= 8.0, Ampere and newer), never by
+`torch.cuda.is_bf16_supported()` with its default `including_emulation=True`, which says
+True on a Colab T4 where bf16 is emulated and slower than fp32.
+
+    python -m course_lib.device      # prints the hardware report
+"""
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+
+import torch
+
+# Tensor Core generations by compute capability (major, minor). Before Volta there are none.
+_TENSOR_CORES = [
+    ((10, 0), "Blackwell (5th gen: fp16/bf16/tf32/fp8/fp4)"),
+    ((9, 0), "Hopper (4th gen: fp16/bf16/tf32/fp8)"),
+    ((8, 9), "Ada (4th gen: fp16/bf16/tf32/fp8)"),
+    ((8, 0), "Ampere (3rd gen: fp16/bf16/tf32)"),
+    ((7, 5), "Turing (2nd gen: fp16 only)"),
+    ((7, 0), "Volta (1st gen: fp16 only)"),
+]
+
+
+class PrecisionError(ValueError):
+    """A precision was requested that this hardware cannot run natively (chapter 00)."""
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """Chapter 00: the precision policy for one device, with the reason in words."""
+    precision: str          # "bf16" | "fp16" | "fp32"
+    use_grad_scaler: bool   # True exactly for fp16: only fp16 needs loss scaling
+    reason: str
+    warning: str = ""
+
+    def __str__(self) -> str:
+        s = f"{self.precision}{' + GradScaler' if self.use_grad_scaler else ''}: {self.reason}"
+        return s + (f" (warning: {self.warning})" if self.warning else "")
+
+
+def pick_device(prefer: str = "auto") -> torch.device:
+    """Chapter 00: 'auto' picks cuda, then mps, then cpu; anything else is passed to torch.device."""
+    if prefer != "auto":
+        return torch.device(prefer)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def tensor_core_generation(capability: tuple[int, int] | None) -> str | None:
+    """Chapter 00: the Tensor Core generation of a CUDA compute capability, None if it has none."""
+    if capability is None:
+        return None
+    for cc, name in _TENSOR_CORES:
+        if tuple(capability) >= cc:
+            return name
+    return None
+
+
+def cuda_capability(device: torch.device | str | None = None) -> tuple[int, int] | None:
+    """Chapter 00: (major, minor) of a CUDA device, None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability(device))  # type: ignore[return-value]
+
+
+def cpu_bf16_flags() -> list[str]:
+    """Chapter 00: the CPU's native bf16 instruction sets (AMX, AVX512-BF16), read from /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:  # not Linux: we cannot tell, and say so rather than guess
+        return []
+    return sorted({f for f in flags if f in ("amx_bf16", "avx512_bf16", "amx_fp16", "avx512_fp16")})
+
+
+def has_native_bf16(device: torch.device | str | None = None, capability: tuple[int, int] | None = None) -> bool:
+    """Chapter 00: does this device do bf16 math in hardware (not emulated)?
+
+    CUDA: compute capability >= 8.0. We deliberately do not trust
+    torch.cuda.is_bf16_supported(), whose default includes emulation (True on a T4).
+    CPU: the AMX or AVX512-BF16 instruction sets. Without them CPU bf16 autocast still works
+    but is several times slower than fp32.
+    """
+    if capability is not None:
+        return tuple(capability) >= (8, 0)
+    dev = torch.device(device) if device is not None else pick_device()
+    if dev.type == "cuda":
+        if torch.version.hip:  # ROCm: capability numbers mean something else; ask torch without emulation
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+        return cuda_capability(dev) >= (8, 0)  # type: ignore[operator]
+    if dev.type == "cpu":
+        return bool(cpu_bf16_flags())
+    return dev.type == "mps"  # Apple GPUs on macOS 14+ support bf16 in MPS
+
+
+def recommend_precision(device: torch.device | str | None = None,
+                        capability: tuple[int, int] | None = None) -> Recommendation:
+    """Chapter 00: the course's precision policy.
+
+    - CUDA, capability >= 8.0 (A100, L4, H100, RTX 30xx/40xx): bf16 autocast, no GradScaler.
+    - CUDA, 7.0 <= capability < 8.0 (V100, T4, RTX 20xx): fp16 autocast + GradScaler.
+    - CUDA older than Volta: fp32 (no Tensor Cores, fp16 would not be faster).
+    - CPU: bf16 autocast works everywhere, but is fast only with AMX/AVX512-BF16; we say so.
+    Pass `capability` to ask about a GPU you do not have (exercise 00 does).
+    """
+    if capability is None:
+        dev = torch.device(device) if device is not None else pick_device()
+        if dev.type == "cpu":
+            flags = cpu_bf16_flags()
+            warning = "" if flags else "this CPU has no AMX/AVX512-BF16: bf16 autocast will be slower than fp32"
+            return Recommendation("bf16", False, "CPU autocast supports bf16; it keeps fp32's range, so no scaler",
+                                  warning or f"even with {', '.join(flags)}, small models may run faster in fp32 on CPU")
+        if dev.type == "mps":
+            return Recommendation("fp16", False, "MPS autocast; Apple GPUs have fast fp16",
+                                  "GradScaler on MPS needs torch >= 2.5; check for overflow")
+        capability = cuda_capability(dev)
+    cc = tuple(capability)  # type: ignore[arg-type]
+    if cc >= (8, 0):
+        return Recommendation("bf16", False, f"sm_{cc[0]}{cc[1]} has native bf16 Tensor Cores; bf16 has fp32's range")
+    if cc >= (7, 0):
+        return Recommendation("fp16", True, f"sm_{cc[0]}{cc[1]} has fp16 Tensor Cores but no native bf16 "
+                                            "(bf16 would be emulated and slow); fp16 needs loss scaling")
+    return Recommendation("fp32", False, f"sm_{cc[0]}{cc[1]} has no Tensor Cores: fp16 would not be faster")
+
+
+def check_precision(precision: str, device: torch.device | str) -> None:
+    """Chapter 00: raise a PrecisionError that says what to do if `precision` cannot run natively."""
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise PrecisionError(f"unknown precision {precision!r}: use 'fp32', 'bf16', 'fp16' or 'auto'")
+    dev = torch.device(device)
+    if precision == "bf16" and dev.type == "cuda" and not has_native_bf16(dev):
+        cc = cuda_capability(dev)
+        raise PrecisionError(
+            f"bf16 was requested on {torch.cuda.get_device_name(dev)} (sm_{cc[0]}{cc[1]}), which has no native "
+            "bf16: it would be emulated and slower than fp32. Use precision='fp16' (with GradScaler) or "
+            "precision='auto'.")
+
+
+def hardware_report(device: torch.device | str | None = None) -> str:
+    """Chapter 00: a printable summary of the software and hardware this notebook runs on."""
+    dev = torch.device(device) if device is not None else pick_device()
+    lines = [f"torch {torch.__version__} | python {platform.python_version()} | {platform.machine()}"]
+    if dev.type == "cuda":
+        cc = cuda_capability(dev)
+        props = torch.cuda.get_device_properties(dev)
+        lines += [
+            f"device: cuda — {props.name}, sm_{cc[0]}{cc[1]}, {props.total_memory / 2**30:.1f} GiB, "
+            f"{props.multi_processor_count} SMs, CUDA {torch.version.cuda or torch.version.hip}",
+            f"Tensor Cores: {tensor_core_generation(cc) or 'none'}",
+            f"native bf16: {has_native_bf16(dev)}  (torch.cuda.is_bf16_supported() says "
+            f"{torch.cuda.is_bf16_supported()}: it counts emulation)",
+            f"fp32 matmul precision: {torch.get_float32_matmul_precision()!r} ('highest' = no TF32; "
+            "'high' lets matmuls use TF32 on Ampere+)",
+        ]
+    else:
+        flags = cpu_bf16_flags()
+        lines += [
+            f"device: {dev.type} — {platform.processor() or 'CPU'}, {os.cpu_count()} logical cores, "
+            f"torch threads {torch.get_num_threads()}, CPU capability {torch.backends.cpu.get_cpu_capability()}",
+            "Tensor Cores: none (no CUDA GPU)",
+            f"native bf16 instructions: {', '.join(flags) if flags else 'none'}",
+        ]
+    lines.append(f"recommended precision: {recommend_precision(dev)}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(hardware_report())
