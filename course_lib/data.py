@@ -1,0 +1,404 @@
+"""Datasets and loaders for the course, with the data's source always printed.
+
+Where the images come from, in this order (provenance and licence: data/README.md):
+  1. shipped  data/fashion_mnist_20k.npz: 10k train (1000/class) + the full 10k test split of
+              Fashion-MNIST, committed to the repo, so every notebook runs offline.
+  2. debian   the full 60k/10k Fashion-MNIST that `apt-get install dataset-fashion-mnist`
+              puts in /usr/share/datasets/fashion-mnist/ (only with full=True).
+  3. torchvision-download  only when downloads are allowed (never in CI or under pytest),
+              with a socket timeout, and CIFAR-10 only comes this way (its licence is unknown,
+              so it is never committed).
+  4. synthetic random on-device tensors, for throughput work where the pixels do not matter.
+
+Only numpy and torch are imported here: torchvision is optional (a CPU torch wheel next to a
+CUDA torchvision wheel fails at import), so it is imported lazily and only to download.
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sized
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Sampler, SequentialSampler, TensorDataset
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DATA_DIR: Path = Path(os.environ.get("COURSE_DATA_DIR") or REPO_ROOT / "data")
+DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
+SHIPPED_FILE = "fashion_mnist_20k.npz"
+# sha256 over (key name + raw bytes) of every array, keys sorted; see data/build_subset.py.
+# Checked on every load (~16 MB of hashing, a few tens of ms) so a truncated clone or a Git LFS
+# pointer gives a clear message instead of a strange accuracy.
+SHIPPED_ARRAY_SHA256 = "8456a991df7dd56bd38a39b858d21362ba959ea268b385aac262d59327f587fc"
+SHIPPED_LAYOUT = {  # key -> (shape, dtype)
+    "x_train": ((10000, 28, 28), np.uint8), "y_train": ((10000,), np.uint8),
+    "train_index": ((10000,), np.int32),
+    "x_test": ((10000, 28, 28), np.uint8), "y_test": ((10000,), np.uint8),
+    "classes": ((10,), np.dtype("<U11")),
+}
+DATASETS = ("fashion_mnist", "cifar10", "synthetic")
+FASHION_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+                   "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer",
+                   "dog", "frog", "horse", "ship", "truck"]
+# Per-channel statistics of the full training splits. Every Fashion-MNIST source uses the same
+# numbers, so a model trained on the subset sees the same input scale as one on the full set.
+FASHION_MEAN, FASHION_STD = (0.2860,), (0.3530,)
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+DOWNLOAD_TIMEOUT_S = 20  # torchvision's urlopen has no timeout: a black-hole network would hang
+
+
+@dataclass
+class DatasetBundle:
+    """Chapter 00: what load_dataset returns: the two splits plus where they came from."""
+    name: str          # "fashion_mnist" | "cifar10" | "synthetic": the data actually inside
+    source: str        # "shipped" | "debian" | "torchvision-download" | "synthetic"
+    train: TensorDataset  # float32 images (N, C, H, W), normalised with mean/std; int64 labels
+    test: TensorDataset
+    classes: list[str]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    description: str   # one line: what, how many, from where
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """(C, H, W) of one image, e.g. to size a model."""
+        return tuple(self.train.tensors[0].shape[1:])
+
+
+def downloads_allowed() -> bool:
+    """Chapter 00: may the loader touch the network? Never in CI, offline mode, or under pytest."""
+    if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
+        return False
+    if os.environ.get("COURSE_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False
+    return "PYTEST_CURRENT_TEST" not in os.environ
+
+
+def default_cache_dir() -> Path:
+    """Chapter 00: where torchvision downloads go (never inside the repo, so never committed)."""
+    if os.environ.get("COURSE_CACHE_DIR"):
+        return Path(os.environ["COURSE_CACHE_DIR"])
+    if "google.colab" in sys.modules:
+        return Path("/content/data")
+    return Path.home() / ".cache" / "amp-course"
+
+
+# ----------------------------------------------------------------------------- raw sources
+# Each returns numpy uint8 images (N, H, W) or (N, C, H, W) and integer labels, or None/raises.
+
+def _array_sha256(arrays: dict[str, np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for key in sorted(arrays):
+        h.update(key.encode())
+        h.update(np.ascontiguousarray(arrays[key]).tobytes())
+    return h.hexdigest()
+
+
+def _shipped_path() -> Path:
+    # Read the environment at call time too, so a notebook (or test) can redirect it late.
+    return Path(os.environ.get("COURSE_DATA_DIR") or DATA_DIR) / SHIPPED_FILE
+
+
+def _display(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def _load_shipped(path: Path) -> dict[str, np.ndarray]:
+    fix = (f"Rebuild it with `python data/build_subset.py` (needs `apt-get install "
+           f"dataset-fashion-mnist`) or restore it with `git checkout -- data/{SHIPPED_FILE}` "
+           f"(or re-clone the course).")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except Exception as e:  # BadZipFile, zlib.error, ValueError (not a zip), EOFError, ...
+        raise RuntimeError(f"The shipped dataset {path} is unreadable "
+                           f"({type(e).__name__}: {e}). {fix}") from e
+    if set(arrays) != set(SHIPPED_LAYOUT):
+        raise RuntimeError(f"The shipped dataset {path} has keys {sorted(arrays)}, expected "
+                           f"{sorted(SHIPPED_LAYOUT)}. {fix}")
+    for key, (shape, dtype) in SHIPPED_LAYOUT.items():
+        if arrays[key].shape != shape or arrays[key].dtype != dtype:
+            raise RuntimeError(f"The shipped dataset {path}: {key} is {arrays[key].shape} "
+                               f"{arrays[key].dtype}, expected {shape} {np.dtype(dtype)}. {fix}")
+    if _array_sha256(arrays) != SHIPPED_ARRAY_SHA256:
+        raise RuntimeError(f"The shipped dataset {path} has the right layout but different "
+                           f"contents (array sha256 mismatch). {fix}")
+    return arrays
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    """IDX: 2 zero bytes, type byte (8 = uint8), ndim, ndim big-endian uint32 sizes, data."""
+    raw = path.read_bytes()
+    if path.suffix == ".gz":
+        raw = gzip.decompress(raw)
+    ndim = raw[3]
+    shape = tuple(int(s) for s in np.frombuffer(raw, ">u4", count=ndim, offset=4))
+    # .copy(): frombuffer over bytes is read-only, and torch.from_numpy warns on that.
+    return np.frombuffer(raw, np.uint8, offset=4 + 4 * ndim).reshape(shape).copy()
+
+
+def _debian_files(folder: Path) -> list[Path] | None:
+    names = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+             "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+    for suffix in (".gz", ""):
+        files = [folder / (n + suffix) for n in names]
+        if all(f.is_file() for f in files):
+            return files
+    return None
+
+
+def _oneline(e: BaseException) -> str:
+    # torchvision's download errors span several lines; the cause is on the last one.
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
+def _torchvision_arrays(name: str, root: Path, download: bool, say) -> tuple | None:
+    """torchvision FashionMNIST / CIFAR10 -> numpy; None (with a printed reason) on failure."""
+    try:
+        import torchvision  # lazy: a broken torchvision must not stop the shipped-data path
+    except (ImportError, RuntimeError, OSError) as e:
+        say(f"torchvision is not usable ({_oneline(e)})")
+        return None
+    cls = torchvision.datasets.CIFAR10 if name == "cifar10" else torchvision.datasets.FashionMNIST
+    old_timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)
+    try:
+        train = cls(str(root), train=True, download=download)
+        test = cls(str(root), train=False, download=download)
+    except (RuntimeError, OSError) as e:  # FashionMNIST wraps network errors; CIFAR10 raises URLError
+        say(f"torchvision {cls.__name__} failed ({_oneline(e)})")
+        return None
+    finally:
+        socket.setdefaulttimeout(old_timeout)
+
+    def arrays(ds):
+        x = np.asarray(ds.data)
+        if x.ndim == 4:  # CIFAR stores (N, H, W, C)
+            x = x.transpose(0, 3, 1, 2)
+        return np.ascontiguousarray(x), np.asarray(ds.targets)
+    return (*arrays(train), *arrays(test))
+
+
+def _torchvision_cached(name: str, root: Path) -> bool:
+    folder = "cifar-10-batches-py" if name == "cifar10" else "FashionMNIST/raw"
+    return (root / folder).is_dir() and any((root / folder).iterdir())
+
+
+# ----------------------------------------------------------------------------- assembly
+
+def _balanced_prefix(y: np.ndarray, n: int | None, num_classes: int) -> np.ndarray:
+    """Indices of the first n//k images of every class (remainder to the lowest classes), in order.
+
+    Deterministic and class-balanced, so a 2,000-image CPU run still sees every class equally.
+    """
+    if n is None or n >= len(y):
+        return np.arange(len(y))
+    picks = [np.flatnonzero(y == c)[: n // num_classes + (c < n % num_classes)]
+             for c in range(num_classes)]
+    return np.sort(np.concatenate(picks))
+
+
+def _to_dataset(x: np.ndarray, y: np.ndarray, mean, std) -> TensorDataset:
+    xt = torch.from_numpy(x)
+    if xt.ndim == 3:
+        xt = xt.unsqueeze(1)  # (N, H, W) -> (N, 1, H, W)
+    m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+    # Normalise once here, not per batch: the data is small and this keeps loaders trivial.
+    # (x - 255 m) / (255 s) is (x / 255 - m) / s with one pass less over the data.
+    xt = xt.to(torch.float32).sub_(m * 255).div_(s * 255)
+    return TensorDataset(xt, torch.from_numpy(np.asarray(y)).to(torch.int64))
+
+
+def _synthetic(train_size: int | None, test_size: int | None) -> tuple:
+    g = torch.Generator().manual_seed(0)
+    n_train, n_test = train_size or 10_000, test_size or 2_000
+    def split(n):
+        return TensorDataset(torch.randn(n, 3, 32, 32, generator=g),
+                             torch.randint(0, 10, (n,), generator=g))
+    return split(n_train), split(n_test)
+
+
+def load_dataset(name: str = "fashion_mnist", *, full: bool = False,
+                 allow_download: bool | None = None, root: str | Path | None = None,
+                 train_size: int | None = None, test_size: int | None = None,
+                 verbose: bool = True) -> DatasetBundle:
+    """Chapter 00: load a dataset as normalised float32 tensors, printing where it came from.
+
+    name: "fashion_mnist" (default: the shipped 10k/10k subset), "cifar10" (download only;
+      offline it becomes Fashion-MNIST padded to 3x32x32 so a CIFAR-sized model still runs),
+      or "synthetic" (random 3x32x32 images with random labels).
+    full: Fashion-MNIST's full 60k/10k, from the Debian package or a download.
+    allow_download: None means downloads_allowed() (False in CI, with COURSE_OFFLINE=1, under pytest).
+    root: torchvision's download/cache folder (default: default_cache_dir()).
+    train_size / test_size: keep a class-balanced deterministic prefix (fast CPU runs).
+    """
+    key = name.lower().replace("-", "_")
+    if key not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    for arg, n in (("train_size", train_size), ("test_size", test_size)):
+        if n is not None and n < 1:
+            raise ValueError(f"{arg} must be a positive number of images or None (all), got {n}")
+    allow = downloads_allowed() if allow_download is None else allow_download
+    root = Path(root) if root is not None else default_cache_dir()
+
+    def say(msg: str) -> None:
+        if verbose:
+            print(f"data: note: {msg}")
+
+    if key == "synthetic":
+        train, test = _synthetic(train_size, test_size)
+        bundle = DatasetBundle("synthetic", "synthetic", train, test,
+                               [f"class {i}" for i in range(10)], (0.0,) * 3, (1.0,) * 3,
+                               f"synthetic random images, 3x32x32 ({len(train):,} train / "
+                               f"{len(test):,} test), labels random: for throughput, not accuracy")
+        if verbose:
+            print(f"data: {bundle.description}")
+        return bundle
+
+    raw, source, origin, cifar_shaped = None, "", "", False
+    debian_origin = f"from {DEBIAN_DIR} (Debian package dataset-fashion-mnist)"
+    torchvision_origin = f"via torchvision, cached in {root}"
+    if key == "cifar10":
+        if allow or _torchvision_cached("cifar10", root):
+            raw = _torchvision_arrays("cifar10", root, download=allow, say=say)
+            source, origin = "torchvision-download", torchvision_origin
+        if raw is None:
+            why = ("the CIFAR-10 download failed" if allow else "CIFAR-10 needs a download and "
+                   "downloads are off (CI, COURSE_OFFLINE=1 or pytest; allow_download=True forces)")
+            say(f"{why}; using the shipped Fashion-MNIST padded to 3x32x32 instead, "
+                "so a CIFAR-sized model still runs")
+            cifar_shaped = True
+    if raw is None and full and key == "fashion_mnist":
+        if (files := _debian_files(DEBIAN_DIR)) is not None:
+            raw, source, origin = tuple(_read_idx(f) for f in files), "debian", debian_origin
+        elif allow or _torchvision_cached("fashion_mnist", root):
+            raw = _torchvision_arrays("fashion_mnist", root, download=allow, say=say)
+            source, origin = "torchvision-download", torchvision_origin
+        if raw is None:
+            say("the full Fashion-MNIST is not available here; using the shipped 10k/10k subset. "
+                "For all 60k: `sudo apt-get install dataset-fashion-mnist`, or go online with "
+                "load_dataset(full=True, allow_download=True)")
+    if raw is None:
+        path = _shipped_path()
+        if path.is_file():  # present but broken -> _load_shipped raises: never mask a bad file
+            a = _load_shipped(path)
+            raw = (a["x_train"], a["y_train"], a["x_test"], a["y_test"])
+            source, origin = "shipped", f"from {_display(path)}"
+        elif (files := _debian_files(DEBIAN_DIR)) is not None:  # missing: next best offline source
+            say(f"{_display(path)} is missing; using the Debian package's full set")
+            raw, source, origin = tuple(_read_idx(f) for f in files), "debian", debian_origin
+        elif allow and (raw := _torchvision_arrays("fashion_mnist", root, True, say)) is not None:
+            source, origin = "torchvision-download", torchvision_origin
+        else:
+            raise RuntimeError(
+                f"No Fashion-MNIST found: the shipped file {path} is missing, "
+                f"{DEBIAN_DIR} is not installed, and downloads are "
+                f"{'allowed but failed' if allow else 'off (CI, COURSE_OFFLINE or pytest)'}. "
+                f"Restore the file with `git checkout -- data/{SHIPPED_FILE}` (or re-clone), "
+                f"rebuild it with `python data/build_subset.py`, or "
+                f"`apt-get install dataset-fashion-mnist`.")
+
+    x_train, y_train, x_test, y_test = raw
+    is_cifar = key == "cifar10" and not cifar_shaped
+    classes = CIFAR10_CLASSES if is_cifar else FASHION_CLASSES
+    for arg, n, y in (("train_size", train_size, y_train), ("test_size", test_size, y_test)):
+        if n is not None and n > len(y):
+            say(f"{arg}={n:,} is more than this source has; using all {len(y):,}")
+    it = _balanced_prefix(y_train, train_size, len(classes))
+    ie = _balanced_prefix(y_test, test_size, len(classes))
+    x_train, y_train, x_test, y_test = x_train[it], y_train[it], x_test[ie], y_test[ie]
+    mean, std = (CIFAR10_MEAN, CIFAR10_STD) if is_cifar else (FASHION_MEAN, FASHION_STD)
+    if cifar_shaped:
+        pad = ((0, 0), (2, 2), (2, 2))  # 28 -> 32 with background (0) pixels
+        x_train, x_test = np.pad(x_train, pad), np.pad(x_test, pad)
+    train, test = _to_dataset(x_train, y_train, mean, std), _to_dataset(x_test, y_test, mean, std)
+    if cifar_shaped:  # grey -> 3 identical channels, after normalising (3x less arithmetic)
+        train, test = (TensorDataset(d.tensors[0].expand(-1, 3, -1, -1).contiguous(), d.tensors[1])
+                       for d in (train, test))
+        mean, std = mean * 3, std * 3
+
+    what = ("CIFAR-10" if is_cifar else "Fashion-MNIST made CIFAR-shaped (3x32x32, offline "
+            "stand-in for CIFAR-10)" if cifar_shaped else "Fashion-MNIST")
+    kind = "shipped subset" if source == "shipped" else "full set"
+    prefix = ", class-balanced prefix" if train_size is not None or test_size is not None else ""
+    description = f"{what}, {kind} ({len(train):,} train / {len(test):,} test{prefix}) {origin}"
+    bundle = DatasetBundle("cifar10" if is_cifar else "fashion_mnist", source, train, test,
+                           list(classes), tuple(mean), tuple(std), description)
+    if verbose:
+        print(f"data: {bundle.description}")
+    return bundle
+
+
+# ----------------------------------------------------------------------------- loaders
+
+class SeededSampler(Sampler[int]):
+    """Chapter 07: a shuffling sampler whose order is a pure function of (seed + epoch).
+
+    Like DistributedSampler: set_epoch(e) selects epoch e's order, so a run resumed at epoch e
+    sees exactly the batches the uninterrupted run would have seen. Unlike it, forgetting
+    set_epoch does not repeat one order forever: each iteration advances to the next epoch.
+    """
+
+    def __init__(self, data_source: Sized | int, seed: int = 0) -> None:
+        self.n = data_source if isinstance(data_source, int) else len(data_source)
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.n, generator=g).tolist()
+        self.epoch += 1
+        return iter(order)
+
+
+def make_loader(dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                num_workers: int = 0, pin_memory: bool = False, persistent_workers: bool = False,
+                prefetch_factor: int | None = None, drop_last: bool = False) -> DataLoader:
+    """Chapter 00: a DataLoader with a reproducible order; chapter 07 turns its knobs.
+
+    These are DataLoader arguments, not Dataset arguments (the seed notebook passed them
+    to a Dataset). persistent_workers and prefetch_factor need
+    num_workers > 0; DataLoader itself says so if they are misused.
+    """
+    sampler = SeededSampler(dataset, seed) if shuffle else SequentialSampler(dataset)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                      pin_memory=pin_memory, persistent_workers=persistent_workers,
+                      prefetch_factor=prefetch_factor, drop_last=drop_last,
+                      # seeds the workers' RNGs, so random transforms in workers are repeatable too
+                      generator=torch.Generator().manual_seed(seed))
+
+
+def synthetic_batches(n_batches: int, batch_size: int, shape=(3, 32, 32), num_classes: int = 10,
+                      device="cpu", dtype=torch.float32,
+                      seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Chapter 00: random (x, y) batches made directly on `device`, for throughput measurements.
+
+    No PIL and no host-to-device copies (torchvision's FakeData tops out near 1.5k img/s on a
+    CPU), so the numbers measure the model, not the input pipeline. Cycle a few batches for long
+    runs: each batch costs memory (3x224x224 fp32 x 256 is ~150 MB).
+    """
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    return [(torch.randn(batch_size, *shape, generator=g, device=device, dtype=dtype),
+             torch.randint(0, num_classes, (batch_size,), generator=g, device=device))
+            for _ in range(n_batches)]

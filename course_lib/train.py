@@ -1,0 +1,276 @@
+"""One training loop for fp32, bf16 and fp16: the `enabled=` pattern, not three copies.
+
+Chapter 00 uses it as a black box; chapter 03 (GradScaler) and 04 (accumulation) open it up.
+
+    cfg = TrainConfig(precision="auto", epochs=1, accum_steps=4, clip_grad_norm=1.0)
+    history = Trainer(model, torch.optim.AdamW(model.parameters()), cfg).fit(loader)
+
+Per optimizer step the loop does, in this order (the order matters, see chapter 03):
+  for each micro-batch:  autocast(forward + loss) -> scaler.scale(loss / accum).backward()
+                         (DDP: no_sync() around forward AND backward of all but the last one)
+  scaler.unscale_(opt) -> clip_grad_norm_   (only when clipping: clip true, unscaled gradients)
+  scaler.step(opt)     -> scaler.update()   (once per optimizer step, never per micro-batch)
+  scheduler.step()     only if the optimizer really stepped (fp16 skips steps on inf/NaN)
+With precision="fp32" or "bf16" the scaler is built with enabled=False and every scaler call
+passes straight through, so the same code runs all three precisions.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .device import check_precision, pick_device, recommend_precision
+
+AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class TrainConfig:
+    """Chapter 00: everything the loop can be told, in one visible place."""
+    precision: str = "auto"          # "fp32" | "bf16" | "fp16" | "auto" (course_lib.device.recommend_precision)
+    device: str = "auto"             # "auto" | "cuda" | "cpu" | "mps" | "cuda:1" ...
+    epochs: int = 1
+    max_steps: int | None = None     # stop after this many optimizer steps (skipped ones count)
+    accum_steps: int = 1             # micro-batches per optimizer step (chapter 04)
+    clip_grad_norm: float | None = None
+    init_scale: float = 2.0 ** 16    # GradScaler defaults, exposed for chapter 03
+    growth_interval: int = 2000
+    channels_last: bool = False      # NHWC memory format for conv nets (chapter 09)
+    log_every: int = 10              # read losses back from the device every N steps, not every step
+    progress: bool = True            # tqdm progress bar
+    checkpoint_path: str | None = None
+    checkpoint_every: int | None = None  # optimizer steps between checkpoints (and one at the end)
+
+
+@dataclass
+class History:
+    """Chapter 00: what happened at each optimizer step, ready to plot."""
+    precision: str = ""
+    device: str = ""
+    step: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    scale: list[float] = field(default_factory=list)     # loss scale after update (1.0 without a scaler)
+    skipped: list[bool] = field(default_factory=list)    # optimizer step skipped because of inf/NaN
+    lr: list[float] = field(default_factory=list)        # learning rate used by this step
+    grad_norm: list[float] = field(default_factory=list) # pre-clip norm of unscaled grads (when clipping)
+    eval: list[dict] = field(default_factory=list)       # {"epoch", "step", "loss", "accuracy"}
+    seconds: float = 0.0
+
+    @property
+    def skipped_steps(self) -> int:
+        return sum(self.skipped)
+
+    def summary(self) -> str:
+        last = f"{self.loss[-1]:.4f}" if self.loss else "n/a"
+        acc = f", eval accuracy {self.eval[-1]['accuracy']:.3f}" if self.eval else ""
+        return (f"{self.precision} on {self.device}: {len(self.step)} steps in {self.seconds:.1f} s, "
+                f"last loss {last}{acc}, skipped steps {self.skipped_steps}, final scale {self.scale[-1] if self.scale else 'n/a'}")
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """Chapter 00: turn 'auto' into a concrete precision and refuse what the device cannot do."""
+    if precision == "auto":
+        precision = recommend_precision(device).precision
+        if device.type == "cpu":
+            precision = "fp32"  # bf16 autocast is a GPU speed-up; on most CPUs it is slower (chapter 00)
+    check_precision(precision, device)
+    return precision
+
+
+class Trainer:
+    """Chapter 00: model + optimizer + scaler + scheduler, stepped by one loop for every precision."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig | None = None,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy):
+        self.cfg = cfg or TrainConfig()
+        self.device = pick_device(self.cfg.device)
+        self.precision = resolve_precision(self.cfg.precision, self.device)
+        self.amp_dtype = AMP_DTYPES[self.precision]
+        fmt = torch.channels_last if self.cfg.channels_last else torch.preserve_format
+        self.model = model.to(self.device, memory_format=fmt)
+        self.optimizer, self.scheduler, self.loss_fn = optimizer, scheduler, loss_fn
+        # Only fp16 needs loss scaling: bf16 has fp32's exponent range (chapter 01).
+        self.scaler = torch.amp.GradScaler(self.device.type, init_scale=self.cfg.init_scale,
+                                           growth_interval=self.cfg.growth_interval,
+                                           enabled=self.precision == "fp16")
+        self.step_count = 0      # optimizer steps attempted so far (skipped ones included)
+        self.epoch = 0           # current epoch
+        self.batch_in_epoch = 0  # micro-batches of the current epoch already consumed (for resume)
+        self.history = History(precision=self.precision, device=str(self.device))
+        self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (loss, grad_norm) not yet read back
+
+    def autocast(self) -> torch.autocast:
+        """Chapter 02: the forward-pass context: autocast on for bf16/fp16, off for fp32."""
+        return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
+
+    def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.to(self.device, non_blocking=True)
+        if self.cfg.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x, y.to(self.device, non_blocking=True)
+
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Chapter 04: one optimizer step over `micro_batches`; returns True if it was skipped.
+
+        The loss of each micro-batch is divided by their number, so that with equal-sized
+        micro-batches and a mean-reduced loss the summed gradient equals the big batch's.
+        """
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        n, total = len(micro_batches), torch.zeros((), device=self.device)
+        is_ddp = isinstance(self.model, nn.parallel.DistributedDataParallel)
+        for i, (x, y) in enumerate(micro_batches):
+            x, y = self._to_device(x, y)
+            # DDP all-reduces gradients during backward; skip that on all but the last micro-batch.
+            sync = self.model.no_sync() if (is_ddp and i < n - 1) else contextlib.nullcontext()
+            with sync:
+                with self.autocast():          # forward and loss only ...
+                    loss = self.loss_fn(self.model(x), y)
+                self.scaler.scale(loss / n).backward()  # ... backward outside autocast
+            total += loss.detach().float() / n
+        grad_norm = None
+        if self.cfg.clip_grad_norm is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+            grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
+        self.scaler.step(self.optimizer)   # skips optimizer.step() if any gradient is inf/NaN
+        self.scaler.update()               # once per optimizer step: back off or (maybe) grow
+        scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
+        # update() only lowers the scale after an overflow, and an overflow is exactly a skipped step.
+        skipped = scale < scale_before
+        if self.scheduler is not None and not skipped:
+            self.scheduler.step()  # a skipped step must not advance the schedule (pytorch#44511)
+        self.step_count += 1
+        h = self.history
+        h.step.append(self.step_count); h.scale.append(scale); h.skipped.append(skipped); h.lr.append(lr)
+        self._pending.append((total, grad_norm))
+        if self.step_count % max(1, self.cfg.log_every) == 0:
+            self._flush()
+        return skipped
+
+    def _flush(self) -> None:
+        # One device->host copy for many steps, instead of a sync per step.
+        if not self._pending:
+            return
+        losses = torch.stack([l for l, _ in self._pending]).tolist()
+        self.history.loss += losses
+        norms = [g for _, g in self._pending if g is not None]
+        if norms:
+            self.history.grad_norm += torch.stack(norms).float().tolist()
+        self._pending.clear()
+
+    @torch.no_grad()
+    def evaluate(self, loader: Iterable) -> dict:
+        """Chapter 00: mean loss and accuracy over `loader`, under the same autocast as training."""
+        self.model.eval()
+        loss_sum, correct, count = torch.zeros((), device=self.device), torch.zeros((), device=self.device), 0
+        for x, y in loader:
+            x, y = self._to_device(x, y)
+            with self.autocast():
+                out = self.model(x)
+                loss_sum += self.loss_fn(out, y).float() * len(y)
+            correct += (out.argmax(1) == y).sum()
+            count += len(y)
+        return {"epoch": self.epoch, "step": self.step_count,
+                "loss": (loss_sum / count).item(), "accuracy": (correct / count).item()}
+
+    def fit(self, loader: torch.utils.data.DataLoader, eval_loader: Iterable | None = None) -> History:
+        """Chapter 00: train for cfg.epochs (or cfg.max_steps) and return the History.
+
+        Resumable: after load_checkpoint() it continues at the exact micro-batch it stopped,
+        because the sampler's order depends only on (seed, epoch) (see data.SeededSampler).
+        A last partial accumulation group of an epoch is dropped, like drop_last.
+        """
+        cfg, accum = self.cfg, max(1, self.cfg.accum_steps)
+        per_epoch = len(loader) // accum
+        total = min(cfg.max_steps or 10**12, cfg.epochs * per_epoch)
+        bar = tqdm(total=total, initial=self.step_count, disable=not cfg.progress,
+                   desc=f"train {self.precision}", unit="step")
+        t0 = time.perf_counter()
+        while self.epoch < cfg.epochs and self.step_count < total:
+            if hasattr(loader.sampler, "set_epoch"):
+                loader.sampler.set_epoch(self.epoch)
+            batches = itertools.islice(iter(loader), self.batch_in_epoch, None)
+            while self.step_count < total:
+                group = list(itertools.islice(batches, accum))
+                if len(group) < accum:
+                    break
+                self.train_step(group)
+                self.batch_in_epoch += accum
+                bar.update(1)
+                if self.step_count % max(1, cfg.log_every) == 0 and self.history.loss:
+                    bar.set_postfix(loss=f"{self.history.loss[-1]:.3f}", scale=self.history.scale[-1])
+                if cfg.checkpoint_path and cfg.checkpoint_every and self.step_count % cfg.checkpoint_every == 0:
+                    self.save_checkpoint(cfg.checkpoint_path)
+            if len(loader) - self.batch_in_epoch >= accum:
+                break  # step budget reached mid-epoch: stay at this micro-batch, resumable
+            if eval_loader is not None:
+                self.history.eval.append(self.evaluate(eval_loader))
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+        self._flush()
+        bar.close()
+        self.history.seconds += time.perf_counter() - t0
+        if cfg.checkpoint_path:
+            self.save_checkpoint(cfg.checkpoint_path)
+        return self.history
+
+    # -- checkpoints (chapter 03: the scaler's state is part of the training state) ------------
+    def state_dict(self) -> dict:
+        self._flush()
+        return {
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),  # {} when disabled (fp32/bf16)
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "step_count": self.step_count, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+            "history": asdict(self.history), "precision": self.precision,
+            "rng": {"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["precision"] != self.precision:
+            print(f"note: checkpoint was trained in {state['precision']}, continuing in {self.precision}")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state["scaler"] and self.scaler.is_enabled():
+            self.scaler.load_state_dict(state["scaler"])  # an fp32/bf16 checkpoint leaves a fresh scaler
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.step_count, self.epoch, self.batch_in_epoch = state["step_count"], state["epoch"], state["batch_in_epoch"]
+        self.history = History(**state["history"])
+        torch.set_rng_state(state["rng"]["cpu"])
+        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Chapter 03: save everything needed to continue bit-identically (written atomically)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        torch.save(self.state_dict(), tmp)
+        os.replace(tmp, path)  # a crash mid-write never leaves a truncated checkpoint behind
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Chapter 03: restore a checkpoint written by save_checkpoint."""
+        self.load_state_dict(torch.load(path, map_location=self.device, weights_only=False))
+
+
+def train(model: nn.Module, loader: torch.utils.data.DataLoader, cfg: TrainConfig | None = None,
+          optimizer: torch.optim.Optimizer | None = None, eval_loader: Iterable | None = None,
+          lr: float = 1e-3) -> tuple[Trainer, History]:
+    """Chapter 00: the one-call version: AdamW(lr) unless an optimizer is given."""
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr)
+    trainer = Trainer(model, optimizer, cfg)
+    return trainer, trainer.fit(loader, eval_loader)

@@ -1,0 +1,326 @@
+"""course_lib.data: shipped subset, fallbacks, error messages, samplers, loaders. All offline."""
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import socket
+import subprocess
+import sys
+import types
+import urllib.error
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import SequentialSampler, TensorDataset
+
+from course_lib import data
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "data" / "fashion_mnist_20k.npz"
+SHIPPED_FILE_SHA256 = "9fb9d572aea2a69492f49787c9df5a0229588bebf6ebcf89302b2a8ac00d3c76"
+DEBIAN_PRESENT = data._debian_files(data.DEBIAN_DIR) is not None
+
+
+@pytest.fixture(autouse=True)
+def repo_data_dir(monkeypatch):
+    """Every test starts from the repo's data/ whatever the caller's environment says."""
+    monkeypatch.delenv("COURSE_DATA_DIR", raising=False)
+    monkeypatch.setattr(data, "DATA_DIR", REPO / "data")
+
+
+@pytest.fixture
+def no_full_set(monkeypatch, tmp_path):
+    """Pretend the Debian package is not installed."""
+    monkeypatch.setattr(data, "DEBIAN_DIR", tmp_path / "no-debian")
+
+
+@pytest.fixture
+def no_downloads(monkeypatch):
+    """Any attempt to reach torchvision's download code or the network fails the test loudly."""
+    def boom(*args, **kwargs):
+        raise AssertionError("a download was attempted under pytest")
+    monkeypatch.setattr(data, "_torchvision_arrays", boom)
+    monkeypatch.setattr("urllib.request.urlopen", boom)
+    monkeypatch.setattr(socket.socket, "connect", boom)
+
+
+# ----------------------------------------------------------------------------- shipped data
+
+def test_shipped_file_is_the_committed_one():
+    assert SHIPPED.stat().st_size < 20e6
+    assert hashlib.sha256(SHIPPED.read_bytes()).hexdigest() == SHIPPED_FILE_SHA256
+
+
+def test_shipped_load_shapes_dtypes_normalisation_balance_and_source_line(capsys):
+    b = data.load_dataset()
+    out = capsys.readouterr().out
+    assert ("data: Fashion-MNIST, shipped subset (10,000 train / 10,000 test) "
+            "from data/fashion_mnist_20k.npz") in out
+    assert (b.name, b.source) == ("fashion_mnist", "shipped")
+    assert b.description in out
+    x, y = b.train.tensors
+    assert x.shape == (10000, 1, 28, 28) and x.dtype == torch.float32
+    assert y.shape == (10000,) and y.dtype == torch.int64
+    assert b.test.tensors[0].shape == (10000, 1, 28, 28)
+    assert b.input_shape == (1, 28, 28) and b.num_classes == 10
+    assert b.classes[0] == "T-shirt/top" and b.classes[-1] == "Ankle boot"
+    # normalised with the full set's statistics: ~zero mean, ~unit std on the subset too
+    assert abs(x.mean().item()) < 0.02 and abs(x.std().item() - 1) < 0.02
+    assert x.min().item() == pytest.approx(-0.2860 / 0.3530, abs=1e-5)  # a black pixel
+    assert torch.bincount(y).tolist() == [1000] * 10
+    assert torch.bincount(b.test.tensors[1]).tolist() == [1000] * 10
+
+
+def test_verbose_false_prints_nothing(capsys):
+    data.load_dataset(verbose=False, train_size=10, test_size=10)
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.skipif(not DEBIAN_PRESENT, reason="needs the full set: apt-get install dataset-fashion-mnist")
+def test_build_script_reproduces_committed_npz_byte_for_byte(tmp_path):
+    out = tmp_path / "rebuilt.npz"
+    run = subprocess.run([sys.executable, str(REPO / "data" / "build_subset.py"),
+                          str(data.DEBIAN_DIR), "--out", str(out)],
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert out.read_bytes() == SHIPPED.read_bytes()
+    assert SHIPPED_FILE_SHA256 in run.stdout
+    assert data.SHIPPED_ARRAY_SHA256 in run.stdout  # the module checks the same array hash
+
+
+def _broken_copies(tmp_path: Path) -> dict[str, bytes]:
+    good = SHIPPED.read_bytes()
+    with np.load(SHIPPED) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["x_train"][0, 0, 0] ^= 1  # one pixel changed: right layout, wrong contents
+    altered, renamed, reshaped = (tmp_path / n for n in ("altered.npz", "renamed.npz", "reshaped.npz"))
+    np.savez(altered, **arrays)
+    np.savez(renamed, **{("images" if k == "x_train" else k): v for k, v in arrays.items()})
+    np.savez(reshaped, **{**arrays, "x_test": arrays["x_test"][:5000]})
+    return {"truncated": good[: len(good) // 2],
+            "not a zip": b"version https://git-lfs.github.com/spec/v1\noid sha256:0\n",
+            "checksum": altered.read_bytes(), "keys": renamed.read_bytes(),
+            "shape": reshaped.read_bytes()}
+
+
+def test_corrupt_shipped_file_gives_clear_error_naming_file_and_fix(tmp_path, monkeypatch):
+    for what, content in _broken_copies(tmp_path).items():
+        folder = tmp_path / what.replace(" ", "_")
+        folder.mkdir()
+        (folder / data.SHIPPED_FILE).write_bytes(content)
+        monkeypatch.setenv("COURSE_DATA_DIR", str(folder))
+        with pytest.raises(RuntimeError) as err:
+            data.load_dataset(verbose=False)
+        msg = str(err.value)
+        assert str(folder / data.SHIPPED_FILE) in msg, what
+        assert "python data/build_subset.py" in msg and "git checkout" in msg, what
+
+
+def test_missing_shipped_file_and_nothing_else_says_how_to_get_it(tmp_path, monkeypatch,
+                                                                  no_full_set, no_downloads):
+    monkeypatch.setenv("COURSE_DATA_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="missing") as err:
+        data.load_dataset(verbose=False)
+    assert "apt-get install dataset-fashion-mnist" in str(err.value)
+    assert "git checkout" in str(err.value)
+
+
+def test_unknown_name_raises_valueerror_listing_valid_names():
+    with pytest.raises(ValueError, match="fashion_mnist, cifar10, synthetic"):
+        data.load_dataset("mnist")
+
+
+def test_bad_sizes_raise_valueerror():
+    with pytest.raises(ValueError, match="train_size"):
+        data.load_dataset(train_size=0, verbose=False)
+
+
+# ----------------------------------------------------------------------------- fallbacks
+
+def test_downloads_allowed_off_in_ci_offline_mode_and_pytest(monkeypatch):
+    # one condition at a time (the repo's conftest.py also sets COURSE_OFFLINE=1)
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("COURSE_OFFLINE", raising=False)
+    assert data.downloads_allowed() is False  # PYTEST_CURRENT_TEST is set right now
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")
+    assert data.downloads_allowed() is True
+    monkeypatch.setenv("CI", "true")
+    assert data.downloads_allowed() is False
+    monkeypatch.delenv("CI")
+    monkeypatch.setenv("COURSE_OFFLINE", "1")
+    assert data.downloads_allowed() is False
+
+
+def test_no_download_attempted_under_pytest(tmp_path, monkeypatch, no_full_set, no_downloads):
+    monkeypatch.delenv("CI", raising=False)  # pytest alone must keep the loader offline
+    monkeypatch.delenv("COURSE_OFFLINE", raising=False)
+    full = data.load_dataset(full=True, root=tmp_path, train_size=100, test_size=100)
+    cifar = data.load_dataset("cifar10", root=tmp_path, train_size=100, test_size=100)
+    assert full.source == cifar.source == "shipped"
+    assert list(tmp_path.iterdir()) == []  # nothing was even created in the cache folder
+
+
+def test_full_without_full_set_falls_back_to_subset_with_notice(tmp_path, capsys, no_full_set,
+                                                                no_downloads):
+    b = data.load_dataset(full=True, root=tmp_path, train_size=20, test_size=20)
+    out = capsys.readouterr().out
+    assert b.source == "shipped"
+    assert "data: note:" in out and "apt-get install dataset-fashion-mnist" in out
+    assert "allow_download=True" in out
+
+
+@pytest.mark.skipif(not DEBIAN_PRESENT, reason="needs the full set: apt-get install dataset-fashion-mnist")
+def test_full_uses_debian_package_when_installed(capsys, no_downloads):
+    b = data.load_dataset(full=True, test_size=100)
+    assert b.source == "debian"
+    assert b.train.tensors[0].shape == (60000, 1, 28, 28)
+    assert "full set (60,000 train / 100 test" in capsys.readouterr().out
+
+
+def test_cifar10_offline_fallback_is_fashion_mnist_in_3x32x32(tmp_path, capsys, no_downloads):
+    b = data.load_dataset("cifar10", root=tmp_path, train_size=200, test_size=100)
+    out = capsys.readouterr().out
+    assert "data: note:" in out and "3x32x32" in out
+    assert (b.name, b.source, b.input_shape) == ("fashion_mnist", "shipped", (3, 32, 32))
+    x = b.train.tensors[0]
+    assert x.shape == (200, 3, 32, 32) and b.test.tensors[0].shape == (100, 3, 32, 32)
+    assert x.is_contiguous() and len(b.mean) == len(b.std) == 3
+    assert torch.equal(x[:, 0], x[:, 2])  # grey repeated to 3 channels
+    background = -0.2860 / 0.3530
+    assert torch.allclose(x[:, :, :2, :], torch.full_like(x[:, :, :2, :], background))  # padding
+
+
+class _FakeCIFAR10:
+    """Stands in for torchvision.datasets.CIFAR10 on a network that is down."""
+    seen_timeouts: list = []
+
+    def __init__(self, root, train, download):
+        self.seen_timeouts.append(socket.getdefaulttimeout())
+        raise urllib.error.URLError("[Errno -2] Name or service not known")
+
+
+def test_failed_download_falls_back_and_restores_socket_timeout(tmp_path, monkeypatch, capsys):
+    fake = types.ModuleType("torchvision")
+    fake.datasets = types.SimpleNamespace(CIFAR10=_FakeCIFAR10, FashionMNIST=_FakeCIFAR10)
+    monkeypatch.setitem(sys.modules, "torchvision", fake)
+    previous = socket.getdefaulttimeout()
+    b = data.load_dataset("cifar10", allow_download=True, root=tmp_path, train_size=10, test_size=10)
+    assert _FakeCIFAR10.seen_timeouts[-1] == data.DOWNLOAD_TIMEOUT_S
+    assert socket.getdefaulttimeout() == previous
+    assert b.input_shape == (3, 32, 32)
+    assert "download failed" in capsys.readouterr().out
+
+
+class _BrokenTorchvision(importlib.abc.MetaPathFinder):
+    """A CPU torch next to a CUDA torchvision wheel fails at import like this."""
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchvision":
+            raise RuntimeError("operator torchvision::nms does not exist")
+        return None
+
+
+@pytest.mark.parametrize("how", ["ModuleNotFoundError", "RuntimeError"])
+def test_broken_torchvision_never_stops_the_learner(how, tmp_path, monkeypatch, capsys, no_full_set):
+    if how == "ModuleNotFoundError":  # not installed
+        monkeypatch.setitem(sys.modules, "torchvision", None)
+    else:
+        monkeypatch.delitem(sys.modules, "torchvision", raising=False)  # installed but broken
+        monkeypatch.setattr(sys, "meta_path", [_BrokenTorchvision(), *sys.meta_path])
+    b = data.load_dataset(full=True, allow_download=True, root=tmp_path, train_size=10, test_size=10)
+    assert b.source == "shipped"
+    assert f"torchvision is not usable ({how}" in capsys.readouterr().out
+
+
+def test_import_needs_no_torchvision():
+    code = ("import sys; sys.modules['torchvision'] = None\n"
+            "import course_lib.data as d\n"
+            "b = d.load_dataset(verbose=False, train_size=10, test_size=10)\n"
+            "assert b.source == 'shipped'")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+
+
+def test_synthetic_dataset_is_cifar_shaped_and_labelled(capsys):
+    b = data.load_dataset("synthetic", train_size=64, test_size=32)
+    assert (b.name, b.source, b.input_shape) == ("synthetic", "synthetic", (3, 32, 32))
+    assert len(b.train) == 64 and len(b.test) == 32
+    assert "synthetic" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- subsets
+
+def test_train_size_takes_a_balanced_deterministic_prefix():
+    b = data.load_dataset(train_size=2005, test_size=500, verbose=False)
+    y = b.train.tensors[1]
+    assert torch.bincount(y).tolist() == [201] * 5 + [200] * 5
+    assert torch.bincount(b.test.tensors[1]).tolist() == [50] * 10
+    full = data.load_dataset(verbose=False)
+    fy = full.train.tensors[1]
+    for c in range(10):  # the first images of each class, in the file's order
+        want = full.train.tensors[0][fy == c][: (y == c).sum()]
+        assert torch.equal(b.train.tensors[0][y == c], want)
+
+
+# ----------------------------------------------------------------------------- loaders
+
+def test_seeded_sampler_same_seed_and_epoch_same_order():
+    a, b = data.SeededSampler(100, seed=3), data.SeededSampler(100, seed=3)
+    a.set_epoch(5); b.set_epoch(5)
+    order = list(a)
+    assert order == list(b) and sorted(order) == list(range(100))
+
+
+def test_seeded_sampler_different_epoch_or_seed_different_order():
+    s = data.SeededSampler(100, seed=0)
+    s.set_epoch(0); e0 = list(s)
+    s.set_epoch(1); e1 = list(s)
+    assert e0 != e1
+    assert list(data.SeededSampler(100, seed=1)) != e0
+
+
+def test_seeded_sampler_resume_reproduces_any_epoch():
+    run = data.SeededSampler(50, seed=7)
+    epochs = [list(run) for _ in range(3)]  # iterating advances the epoch by itself
+    resumed = data.SeededSampler(50, seed=7)
+    resumed.set_epoch(2)
+    assert list(resumed) == epochs[2]
+    assert len(set(map(tuple, epochs))) == 3
+
+
+def test_make_loader_passes_the_knobs_through():
+    ds = TensorDataset(torch.arange(10.0), torch.arange(10))
+    dl = data.make_loader(ds, 4, num_workers=2, pin_memory=True, persistent_workers=True,
+                          prefetch_factor=3, drop_last=True, seed=1)
+    assert (dl.batch_size, dl.num_workers, dl.pin_memory, dl.persistent_workers,
+            dl.prefetch_factor, dl.drop_last) == (4, 2, True, True, 3, True)
+    assert isinstance(dl.sampler, data.SeededSampler) and dl.sampler.seed == 1
+    assert len(dl) == 2  # drop_last
+    plain = data.make_loader(ds, 4, shuffle=False)
+    assert isinstance(plain.sampler, SequentialSampler)
+    assert next(iter(plain))[1].tolist() == [0, 1, 2, 3]
+
+
+def test_make_loader_order_is_reproducible():
+    ds = TensorDataset(torch.arange(64))
+    first = [b[0].tolist() for b in data.make_loader(ds, 16, seed=3)]
+    again = [b[0].tolist() for b in data.make_loader(ds, 16, seed=3)]
+    assert first == again and first[0] != list(range(16))
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_synthetic_batches_deterministic_on_requested_device_and_dtype(device, dtype):
+    a = data.synthetic_batches(3, 8, shape=(3, 16, 16), num_classes=5, device=device, dtype=dtype)
+    b = data.synthetic_batches(3, 8, shape=(3, 16, 16), num_classes=5, device=device, dtype=dtype)
+    assert len(a) == 3
+    for (xa, ya), (xb, yb) in zip(a, b):
+        assert xa.shape == (8, 3, 16, 16) and xa.dtype == dtype and xa.device.type == device
+        assert ya.dtype == torch.int64 and ya.device.type == device
+        assert 0 <= ya.min() and ya.max() < 5
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert not torch.equal(a[0][0], a[1][0])  # batches differ from each other
+    other = data.synthetic_batches(1, 8, shape=(3, 16, 16), device=device, dtype=dtype, seed=1)
+    assert not torch.equal(other[0][0], a[0][0])
