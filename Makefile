@@ -10,6 +10,8 @@ STAMP  := $(VENV)/.installed-stamp
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=600
 SUITE  := tests notebooks solutions
 LAB_ARGS ?=
+# Jupyter refuses to run as root unless told; containers and CI machines often are root.
+LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: help venv lab test test-gpu bench exercises check-exercises stamp grade clean
 
@@ -34,7 +36,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 lab: $(STAMP)
-	$(VPY) -m jupyter lab $(LAB_ARGS) notebooks/00_setup.ipynb
+	$(VPY) -m jupyter lab $(LAB_ROOT) $(LAB_ARGS) notebooks/00_setup.ipynb
 
 test: $(STAMP)
 	$(VPY) -m course_lib.device

@@ -30,9 +30,31 @@ def _is_gpu_cell(item: pytest.Item) -> bool:
     return cell is not None and "gpu" in cell.get("metadata", {}).get("tags", [])
 
 
+def _refuse_remote_connections() -> None:
+    """Tests run offline: a connection to anything but this machine fails loudly, at once."""
+    import ipaddress
+    import socket
+
+    real_connect = socket.socket.connect
+
+    def connect(self, address):
+        host = address[0] if isinstance(address, tuple) else None
+        if host is not None:
+            try:
+                local = ipaddress.ip_address(host).is_loopback
+            except ValueError:
+                local = host == "localhost"
+            if not local:
+                raise ConnectionRefusedError(f"tests are offline: refused a connection to {address!r}")
+        return real_connect(self, address)
+
+    socket.socket.connect = connect
+
+
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("MPLBACKEND", "Agg")  # kernels inherit it: no windows, no GUI backends
-    os.environ.setdefault("COURSE_OFFLINE", "1")  # nothing in the suite may reach the network
+    os.environ.setdefault("COURSE_OFFLINE", "1")  # notebooks' kernels: the data loader never downloads
+    _refuse_remote_connections()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
