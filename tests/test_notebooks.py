@@ -70,6 +70,8 @@ def _names(source: str, ctx) -> set[str]:
         for n in ast.walk(tree):
             if isinstance(n, (ast.FunctionDef, ast.ClassDef)):
                 out.add(n.name)
+            elif isinstance(n, ast.arg):  # parameters of functions and lambdas
+                out.add(n.arg)
             elif isinstance(n, (ast.Import, ast.ImportFrom)):
                 out |= {(a.asname or a.name).split(".")[0] for a in n.names}
     return out

@@ -1,0 +1,515 @@
+"""What autocast does on the installed torch, found by running it, not by reading a list.
+
+Chapter 02 is built on this module. autocast is a static, per-op policy registered in the
+dispatcher: before an op runs, autocast may cast its floating-point inputs to the
+low-precision type ("lower_precision": matmul, linear, conv ...), to fp32 ("fp32": losses,
+and on CUDA also softmax, layer_norm, exp, sum ...), or to the widest input type
+("promote"); ops it does not know run in whatever dtype their inputs have ("unchanged").
+The lists differ between devices and torch versions, so we probe them:
+
+    rows = probe_policy("cpu", torch.bfloat16)     # one PolicyRow per op in OPS
+    print(format_policy(rows))
+    probe_policy("cuda", torch.float16, fake=True) # the CUDA policy, on a machine without a GPU
+
+How an op is classified (see `_classify`): run it under autocast with fp32 inputs, with
+low-precision inputs and with mixed inputs, and record the output dtypes and the casts
+autocast inserts (`dispatch_trace`). fp32 in -> low out is "lower_precision"; low in ->
+fp32 out is "fp32"; a cast of the low input up to fp32 that plain eager mode does not make
+is "promote"; an error under autocast that plain eager mode does not raise is "banned".
+
+`fake=True` runs CUDA autocast on FakeTensors (shape/dtype-only tensors that claim to be on
+CUDA): the dispatcher applies the same AutocastCUDA kernels, so the dtypes are the real
+policy, but no kernel runs. The GPU cells of chapter 02 compare it with a real GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import sys
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+POLICIES = ("lower_precision", "fp32", "promote", "unchanged", "banned")
+SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
+
+
+def short(dtype: torch.dtype | None) -> str:
+    """Chapter 02: 'fp32' / 'fp16' / 'bf16' for a dtype (its torch name for anything else)."""
+    if dtype is None:
+        return "-"
+    return SHORT.get(dtype, str(dtype).replace("torch.", ""))
+
+
+# --------------------------------------------------------------------------- the op table
+
+@dataclass(frozen=True)
+class OpSpec:
+    """Chapter 02: one op to probe. `fn` takes the floating-point inputs (the ones the probe
+    varies between fp32 and low precision); parameters such as a linear layer's weight are
+    made inside `fn`, in fp32, as a model's parameters would be."""
+    name: str
+    fn: Callable[..., torch.Tensor]
+    shapes: tuple[tuple[int, ...], ...]
+    group: str  # "matmul" | "reduction" | "normalization" | "loss" | "pointwise" | "layout" | "attention"
+
+
+def _w(x: torch.Tensor, *shape: int) -> torch.Tensor:
+    # A deterministic fp32 "parameter" on x's device (no RNG: works under FakeTensorMode too).
+    n = 1
+    for s in shape:
+        n *= s
+    return torch.linspace(-0.5, 0.5, n, device=x.device).reshape(shape)
+
+
+def _target(x: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
+
+
+_M = (8, 16)  # every probe is tiny: the dtype policy does not depend on the size
+
+OPS: dict[str, OpSpec] = {s.name: s for s in [
+    # -- matmul-like: the ops Tensor Cores accelerate
+    OpSpec("matmul", lambda a, b: a @ b.T, (_M, _M), "matmul"),
+    OpSpec("mm", lambda a, b: torch.mm(a, b.T), (_M, _M), "matmul"),
+    OpSpec("linear", lambda x: F.linear(x, _w(x, 4, 16), _w(x, 4)), (_M,), "matmul"),
+    OpSpec("conv2d", lambda x: F.conv2d(x, _w(x, 4, 3, 3, 3)), ((2, 3, 8, 8),), "matmul"),
+    OpSpec("conv1d", lambda x: F.conv1d(x, _w(x, 4, 3, 3)), ((2, 3, 8),), "matmul"),
+    OpSpec("bmm", lambda a, b: torch.bmm(a, b.transpose(1, 2)), ((2, 4, 8), (2, 4, 8)), "matmul"),
+    OpSpec("addmm", lambda c, a, b: torch.addmm(c, a, b.T), ((8, 8), _M, _M), "matmul"),
+    OpSpec("baddbmm", lambda c, a, b: torch.baddbmm(c, a, b.transpose(1, 2)), ((2, 4, 4), (2, 4, 8), (2, 4, 8)), "matmul"),
+    OpSpec("einsum", lambda a, b: torch.einsum("ij,kj->ik", a, b), (_M, _M), "matmul"),
+    OpSpec("scaled_dot_product_attention", lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+           ((1, 2, 4, 8),) * 3, "attention"),
+    # -- normalizations
+    OpSpec("softmax", lambda x: F.softmax(x, -1), (_M,), "normalization"),
+    OpSpec("log_softmax", lambda x: F.log_softmax(x, -1), (_M,), "normalization"),
+    OpSpec("layer_norm", lambda x: F.layer_norm(x, (16,), _w(x, 16) + 1, _w(x, 16)), (_M,), "normalization"),
+    OpSpec("group_norm", lambda x: F.group_norm(x, 2, _w(x, 4) + 1, _w(x, 4)), ((2, 4, 8),), "normalization"),
+    OpSpec("batch_norm", lambda x: F.batch_norm(x, torch.zeros(4, device=x.device), torch.ones(4, device=x.device),
+                                                _w(x, 4) + 1, _w(x, 4), training=True), ((8, 4),), "normalization"),
+    OpSpec("rms_norm", lambda x: F.rms_norm(x, (16,), _w(x, 16) + 1), (_M,), "normalization"),
+    # -- reductions and range-hungry pointwise math
+    OpSpec("sum", lambda x: x.sum(), (_M,), "reduction"),
+    OpSpec("mean", lambda x: x.mean(), (_M,), "reduction"),
+    OpSpec("prod", lambda x: x.prod(), (_M,), "reduction"),
+    OpSpec("cumsum", lambda x: x.cumsum(0), (_M,), "reduction"),
+    OpSpec("norm", lambda x: x.norm(), (_M,), "reduction"),
+    OpSpec("logsumexp", lambda x: x.logsumexp(-1), (_M,), "reduction"),
+    OpSpec("exp", torch.exp, (_M,), "pointwise"),
+    OpSpec("log", lambda x: torch.log(x.abs() + 1), (_M,), "pointwise"),
+    OpSpec("pow", lambda x: x.pow(2), (_M,), "pointwise"),
+    OpSpec("rsqrt", lambda x: torch.rsqrt(x.abs() + 1), (_M,), "pointwise"),
+    # -- losses
+    OpSpec("mse_loss", F.mse_loss, (_M, _M), "loss"),
+    OpSpec("l1_loss", F.l1_loss, (_M, _M), "loss"),
+    OpSpec("cross_entropy", lambda x: F.cross_entropy(x, _target(x)), (_M,), "loss"),
+    OpSpec("nll_loss", lambda x: F.nll_loss(x, _target(x)), (_M,), "loss"),
+    OpSpec("binary_cross_entropy_with_logits", F.binary_cross_entropy_with_logits, (_M, _M), "loss"),
+    OpSpec("binary_cross_entropy", lambda x, y: F.binary_cross_entropy(torch.sigmoid(x), torch.sigmoid(y)), (_M, _M), "loss"),
+    # -- cheap pointwise ops and layout ops
+    OpSpec("relu", torch.relu, (_M,), "pointwise"),
+    OpSpec("gelu", F.gelu, (_M,), "pointwise"),
+    OpSpec("sigmoid", torch.sigmoid, (_M,), "pointwise"),
+    OpSpec("dropout", lambda x: F.dropout(x, 0.5), (_M,), "pointwise"),
+    OpSpec("add", torch.add, (_M, _M), "pointwise"),
+    OpSpec("mul", torch.mul, (_M, _M), "pointwise"),
+    OpSpec("addcmul", torch.addcmul, (_M, _M, _M), "pointwise"),
+    OpSpec("atan2", torch.atan2, (_M, _M), "pointwise"),
+    OpSpec("cat", lambda a, b: torch.cat([a, b]), (_M, _M), "layout"),
+    OpSpec("stack", lambda a, b: torch.stack([a, b]), (_M, _M), "layout"),
+    OpSpec("index_put", lambda x, v: x.index_put((torch.arange(8, device=x.device),), v), (_M, _M), "layout"),
+    OpSpec("max_pool2d", lambda x: F.max_pool2d(x, 2), ((2, 3, 8, 8),), "layout"),
+    OpSpec("interpolate", lambda x: F.interpolate(x, scale_factor=2), ((2, 3, 8, 8),), "layout"),
+]}
+
+
+# --------------------------------------------------------------------------- running ops under autocast
+
+@dataclass(frozen=True)
+class TraceEntry:
+    """Chapter 02: one ATen op as it reached the kernels: after autocast's casts."""
+    op: str
+    in_dtypes: tuple[torch.dtype, ...]
+    out_dtype: torch.dtype | None
+
+    def __str__(self) -> str:
+        return f"{self.op}({', '.join(map(short, self.in_dtypes))}) -> {short(self.out_dtype)}"
+
+
+class _Recorder(TorchDispatchMode):
+    # A dispatch mode sits *below* the Autocast dispatch key, so it sees exactly what
+    # autocast hands on: its inserted `_to_copy` casts and the op with cast inputs.
+    def __init__(self) -> None:
+        super().__init__()
+        self.entries: list[TraceEntry] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = tuple(t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        outs = [t.dtype for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.entries.append(TraceEntry(str(func.overloadpacket.__name__), ins, outs[0] if outs else None))
+        return out
+
+
+def dispatch_trace(fn: Callable[[], object], hide: Sequence[str] = ("detach", "alias")) -> list[TraceEntry]:
+    """Chapter 02: the ATen ops `fn` runs, with the dtypes they really receive.
+
+    Call it inside an autocast region to see the casts autocast inserts (`_to_copy`).
+    `hide` drops autograd's bookkeeping ops (outputs saved for backward are detached).
+    """
+    with _Recorder() as rec:
+        fn()
+    return [e for e in rec.entries if e.op not in hide]
+
+
+def casts(trace: Sequence[TraceEntry]) -> Counter:
+    """Chapter 02: how many dtype casts of each kind (e.g. ('fp32', 'bf16')) a trace contains."""
+    return Counter((short(e.in_dtypes[0]), short(e.out_dtype)) for e in trace
+                   if e.op in ("_to_copy", "to") and e.in_dtypes and e.out_dtype != e.in_dtypes[0])
+
+
+@contextlib.contextmanager
+def _fake_cuda_autocast(dtype: torch.dtype) -> Iterator[None]:
+    # torch.autocast("cuda") switches itself off when no GPU is present, so set the same
+    # thread-local state it sets (and restore it) by hand.
+    prev = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", dtype)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled("cuda", prev[0])
+        torch.set_autocast_dtype("cuda", prev[1])
+
+
+def _autocast(device: str, dtype: torch.dtype, enabled: bool, fake: bool) -> contextlib.AbstractContextManager:
+    if not enabled:
+        return contextlib.nullcontext()
+    if fake:
+        return _fake_cuda_autocast(dtype)
+    return torch.autocast(device, dtype=dtype)
+
+
+def _inputs(spec: OpSpec, device: str, dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
+    # Positive, moderate values: log/rsqrt/prod behave, nothing overflows in fp16.
+    out = []
+    for i, (shape, dt) in enumerate(zip(spec.shapes, dtypes)):
+        n = 1
+        for s in shape:
+            n *= s
+        t = torch.linspace(0.1, 1.0 + 0.1 * i, n, device=device).reshape(shape)
+        out.append(t.to(dt))
+    return out
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Chapter 02: what one call did: the output dtype (or the error) and the casts made."""
+    out_dtype: torch.dtype | None
+    error: str | None
+    casts: Counter
+
+
+def run_op(spec: OpSpec, device: str, dtype: torch.dtype, in_dtypes: Sequence[torch.dtype],
+           autocast: bool = True, fake: bool = False) -> Outcome:
+    """Chapter 02: run `spec` once on inputs of `in_dtypes`, with or without autocast."""
+    mode = contextlib.nullcontext()
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        mode = FakeTensorMode()
+    with mode:
+        xs = _inputs(spec, device, in_dtypes)
+        try:
+            # Silence warnings about slow paths for mixed dtypes (e.g. rms_norm's "Mismatch dtype"):
+            # the probe is about dtypes, and the same warning printed 4 times per op hides the table.
+            with warnings.catch_warnings(), _autocast(device, dtype, autocast, fake):
+                warnings.simplefilter("ignore")
+                rec = _Recorder()
+                with rec:
+                    out = spec.fn(*xs)
+            return Outcome(out.dtype, None, casts(rec.entries))
+        except Exception as e:  # the op refused these inputs: that is a result too
+            return Outcome(None, f"{type(e).__name__}: {str(e).splitlines()[0]}", Counter())
+
+
+@dataclass(frozen=True)
+class PolicyRow:
+    """Chapter 02: what autocast did to one op, for fp32, low-precision and mixed inputs."""
+    op: str
+    group: str
+    device: str
+    dtype: torch.dtype               # the autocast (low-precision) dtype
+    from_fp32: torch.dtype | None    # output dtype when every input is fp32
+    from_low: torch.dtype | None     # ... when every input is `dtype`
+    from_mixed: torch.dtype | None   # ... when the first input is `dtype`, the others fp32 (None: one input only)
+    policy: str                      # one of POLICIES
+    note: str = ""
+
+    def as_dict(self) -> dict:
+        """A JSON-friendly record (dtypes as 'fp32' / 'bf16' / 'fp16', '-' for an error)."""
+        return {"op": self.op, "group": self.group, "device": self.device, "dtype": short(self.dtype),
+                "from_fp32": short(self.from_fp32), "from_low": short(self.from_low),
+                "from_mixed": short(self.from_mixed) if self.n_inputs > 1 else "",
+                "policy": self.policy, "note": self.note}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PolicyRow":
+        """The inverse of as_dict (for tables recorded on a GPU in data/reference/)."""
+        back = {v: k for k, v in SHORT.items()}
+        dt = lambda s: back.get(s) if s else None  # noqa: E731
+        return cls(d["op"], d["group"], d["device"], back[d["dtype"]], dt(d["from_fp32"]), dt(d["from_low"]),
+                   dt(d["from_mixed"]), d["policy"], d.get("note", ""))
+
+    @property
+    def n_inputs(self) -> int:
+        return len(OPS[self.op].shapes) if self.op in OPS else (2 if self.from_mixed is not None else 1)
+
+
+def _classify(spec: OpSpec, device: str, dtype: torch.dtype, fake: bool) -> PolicyRow:
+    n = len(spec.shapes)
+    f32, low = [torch.float32] * n, [dtype] * n
+    a32, alow = run_op(spec, device, dtype, f32, True, fake), run_op(spec, device, dtype, low, True, fake)
+    amix = run_op(spec, device, dtype, [dtype] + [torch.float32] * (n - 1), True, fake) if n > 1 else None
+    row = dict(op=spec.name, group=spec.group, device=device, dtype=dtype, from_fp32=a32.out_dtype,
+               from_low=alow.out_dtype, from_mixed=amix.out_dtype if amix else None)
+    if a32.error:
+        plain = run_op(spec, device, dtype, f32, False, fake)
+        if plain.error is None:
+            return PolicyRow(**row, policy="banned", note=a32.error)
+        return PolicyRow(**row, policy="unchanged", note=f"fails even without autocast: {a32.error}")
+    if a32.out_dtype == dtype:
+        return PolicyRow(**row, policy="lower_precision")
+    if alow.out_dtype == torch.float32:
+        return PolicyRow(**row, policy="fp32")
+    if amix is not None:
+        pmix = run_op(spec, device, dtype, [dtype] + [torch.float32] * (n - 1), False, fake)
+        up = (short(dtype), "fp32")
+        if amix.error is None and (pmix.error is not None or amix.casts[up] > pmix.casts[up]):
+            return PolicyRow(**row, policy="promote", note="autocast casts the low-precision input up to fp32")
+        note = ("mixed inputs raise: " + amix.error) if amix.error else (
+            "mixed inputs: ordinary type promotion" if amix.out_dtype == torch.float32 else "")
+        return PolicyRow(**row, policy="unchanged", note=note)
+    return PolicyRow(**row, policy="unchanged")
+
+
+@functools.lru_cache(maxsize=None)  # a property of the torch build: ask once
+def fake_cuda_available() -> bool:
+    """Chapter 02: can this torch build show the CUDA autocast policy without a GPU?"""
+    try:
+        return run_op(OPS["mm"], "cuda", torch.float16, [torch.float32] * 2, True, True).out_dtype == torch.float16
+    except Exception:
+        return False
+
+
+def probe_policy(device: str = "cpu", dtype: torch.dtype | None = None, ops: Sequence[str] | None = None,
+                 fake: bool = False) -> list[PolicyRow]:
+    """Chapter 02: classify every op in OPS (or `ops`) under autocast(device, dtype).
+
+    dtype defaults to torch.get_autocast_dtype(device): bf16 on CPU, fp16 on CUDA.
+    fake=True probes CUDA with FakeTensors, for machines without a GPU.
+    """
+    dtype = dtype or torch.get_autocast_dtype(device)
+    if fake and device != "cuda":
+        raise ValueError("fake=True is for device='cuda' (a real CPU is always available)")
+    return [_classify(OPS[name], device, dtype, fake) for name in (ops or OPS)]
+
+
+def policy_map(rows: Sequence[PolicyRow]) -> dict[str, str]:
+    """Chapter 02: {op: policy}."""
+    return {r.op: r.policy for r in rows}
+
+
+def compare_policies(a: Sequence[PolicyRow], b: Sequence[PolicyRow]) -> list[tuple[str, str, str]]:
+    """Chapter 02: the ops whose policy differs between two probes, as (op, policy_a, policy_b)."""
+    pb = policy_map(b)
+    return [(r.op, r.policy, pb[r.op]) for r in a if r.op in pb and pb[r.op] != r.policy]
+
+
+def format_policy(rows: Sequence[PolicyRow], group_by_policy: bool = True) -> str:
+    """Chapter 02: a probe as a fixed-width table (output dtype for fp32 / low / mixed inputs)."""
+    if not rows:
+        return "(no rows)"
+    low = short(rows[0].dtype)
+    order = {p: i for i, p in enumerate(POLICIES)}
+    rows = sorted(rows, key=lambda r: (order[r.policy], r.group, r.op)) if group_by_policy else list(rows)
+    head = f"autocast({rows[0].device!r}, {low}): output dtype for inputs that are"
+    out = [head, f"{'op':<34}{'fp32':>5}{low:>6}{'mixed':>7}   {'policy':<16}note"]
+    for r in rows:
+        d = r.as_dict()
+        out.append(f"{r.op:<34}{d['from_fp32']:>5}{d['from_low']:>6}{d['from_mixed']:>7}   {r.policy:<16}{r.note[:64]}")
+    return "\n".join(out)
+
+
+def output_dtype(op: str, device: str, dtype: torch.dtype, in_dtypes: Sequence[torch.dtype],
+                 fake: bool = False) -> torch.dtype | None:
+    """Chapter 02: the output dtype of OPS[op] under autocast(device, dtype) for inputs of
+    `in_dtypes` (None if it raises). The live answer exercise 02.1 is checked against."""
+    return run_op(OPS[op], device, dtype, in_dtypes, True, fake).out_dtype
+
+
+def registered_ops(device: str = "cpu") -> list[str]:
+    """Chapter 02: every ATen op with an autocast kernel for `device` in this torch build.
+
+    These are the ops autocast can change; every other op falls through and runs in its
+    inputs' dtype. (Which way each one casts needs a probe: see probe_policy.)
+    """
+    key = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "xpu": "AutocastXPU", "mps": "AutocastMPS"}[device]
+    return sorted(r.removeprefix("aten::") for r in torch._C._dispatch_get_registrations_for_dispatch_key(key))
+
+
+# --------------------------------------------------------------------------- where the dtypes end up
+
+def saved_tensor_dtypes(fn: Callable[[], object]) -> dict[torch.dtype, int]:
+    """Chapter 02: bytes of tensors autograd saves for backward while `fn` runs, per dtype.
+
+    Counts storages once (like course_lib.bench.saved_activation_bytes), so a tensor saved by
+    two ops is not counted twice.
+    """
+    seen: dict[tuple[int, int], tuple[torch.dtype, int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        seen[(s.data_ptr(), s.nbytes())] = (t.dtype, s.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    out: dict[torch.dtype, int] = {}
+    for dt, n in seen.values():
+        out[dt] = out.get(dt, 0) + n
+    return out
+
+
+def dtype_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Counter]:
+    """Chapter 02: how many parameters / grads / optimizer-state tensors there are of each dtype."""
+    rep = {"params": Counter(short(p.dtype) for p in model.parameters()),
+           "grads": Counter(short(p.grad.dtype) for p in model.parameters() if p.grad is not None)}
+    if optimizer is not None:
+        rep["optimizer state"] = Counter(short(v.dtype) for st in optimizer.state.values()
+                                         for v in st.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+    return rep
+
+
+@dataclass(frozen=True)
+class ModuleDtypes:
+    """Chapter 02: the dtypes one leaf module saw and produced in a forward pass."""
+    name: str
+    kind: str
+    in_dtype: torch.dtype | None
+    out_dtype: torch.dtype | None
+
+
+def module_dtypes(model: nn.Module, *inputs: torch.Tensor, device_type: str | None = None,
+                  dtype: torch.dtype | None = None) -> list[ModuleDtypes]:
+    """Chapter 02: input and output dtype of every leaf module, in execution order.
+
+    With device_type given, the forward runs under torch.autocast(device_type, dtype);
+    without, it runs as it is (so you can call it inside your own region).
+    """
+    rows: list[ModuleDtypes] = []
+
+    def first_float(xs: object) -> torch.dtype | None:
+        return next((t.dtype for t in tree_leaves(xs) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+
+    def hook(name: str) -> Callable:
+        def record(mod: nn.Module, args: tuple, out: object) -> None:
+            rows.append(ModuleDtypes(name, type(mod).__name__, first_float(args), first_float(out)))
+        return record
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if not list(m.children())]
+    region = torch.autocast(device_type, dtype=dtype) if device_type else contextlib.nullcontext()
+    try:
+        with region:
+            model(*inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return rows
+
+
+def format_module_dtypes(rows: Sequence[ModuleDtypes]) -> str:
+    """Chapter 02: module_dtypes as a table; marks where autocast changed the dtype."""
+    out = [f"{'module':<18}{'type':<20}{'in':>6}{'out':>6}"]
+    for r in rows:
+        mark = "  <- cast down" if r.in_dtype == torch.float32 and r.out_dtype in LOW_PRECISION else (
+            "  <- cast up to fp32" if r.in_dtype in LOW_PRECISION and r.out_dtype == torch.float32 else "")
+        out.append(f"{r.name:<18}{r.kind:<20}{short(r.in_dtype):>6}{short(r.out_dtype):>6}{mark}")
+    return "\n".join(out)
+
+
+def memory_comparison(model: nn.Module, x: torch.Tensor, target: torch.Tensor,
+                      loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+                      dtype: torch.dtype | None = None) -> dict[str, dict]:
+    """Chapter 02: one forward + backward in fp32 and under autocast, and what each keeps.
+
+    For each mode: `saved` = bytes autograd saves for backward (any device, via
+    course_lib.bench.saved_activation_bytes), `saved_by_dtype`, and `peak` = peak CUDA memory
+    of the whole step (None off CUDA). Gradients are reset to None before each run.
+    """
+    from .bench import peak_memory_bytes, saved_activation_bytes
+
+    dev = x.device
+    dtype = dtype or torch.get_autocast_dtype(dev.type)
+    out: dict[str, dict] = {}
+    for name, enabled in (("fp32", False), (short(dtype), True)):
+        model.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+
+        def forward() -> None:
+            with torch.autocast(dev.type, dtype=dtype, enabled=enabled):
+                losses.append(loss_fn(model(x), target))
+
+        by_dtype = saved_tensor_dtypes(forward)
+        saved = saved_activation_bytes(forward)
+        losses.clear()  # drop both graphs before measuring the peak of a clean step
+        model.zero_grad(set_to_none=True)
+
+        def step() -> None:
+            forward()
+            losses.pop().backward()
+
+        peak = peak_memory_bytes(step, dev)
+        out[name] = {"saved": saved, "saved_by_dtype": {short(k): v for k, v in by_dtype.items()}, "peak": peak}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Chapter 02: `python -m course_lib.autocast_policy [--device cuda] [--json PATH]`."""
+    from .bench import provenance
+
+    p = argparse.ArgumentParser(prog="python -m course_lib.autocast_policy",
+                                description="probe the autocast op policy of the installed torch on this machine")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--fake", action="store_true", help="probe CUDA with FakeTensors (no GPU needed)")
+    p.add_argument("--json", help="also write the tables with provenance (e.g. data/reference/autocast_policy_<gpu>.json)")
+    args = p.parse_args(argv)
+    prov = provenance("python -m course_lib.autocast_policy " + " ".join(argv if argv is not None else sys.argv[1:]))
+    tables = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        rows = probe_policy(args.device, dtype, fake=args.fake)
+        tables[short(dtype)] = [r.as_dict() for r in rows]
+        print(format_policy(rows), end="\n\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"provenance": {**prov, "fake": args.fake}, "policy": tables}, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
