@@ -54,7 +54,8 @@ def refresh(path: Path, timeout: int = 600) -> None:
     for cell in nb.cells:
         if keeps_output(cell):
             for out in cell.outputs:
-                out.pop("execution_count", None)
+                if out.get("output_type") == "execute_result":
+                    out["execution_count"] = 1  # same fixed count as the cell; the schema requires one
     nbformat.write(nb, path)
 
 

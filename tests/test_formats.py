@@ -1,0 +1,419 @@
+"""course_lib.formats (chapter 01) against torch's own conversions, and the chapter 01 checks."""
+import math
+import random
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from course_lib import formats as F
+from course_lib.grading import get_check
+
+STORAGE = F.STORAGE_FORMATS
+
+
+def f32(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+def f32_bits(x: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+# --------------------------------------------------------------------------- bit patterns
+
+@pytest.mark.parametrize("x, fmt, bits, kind", [
+    (1.0, "fp16", "0011110000000000", "normal"),
+    (-2.0, "fp16", "1100000000000000", "normal"),
+    (65504.0, "fp16", "0111101111111111", "normal"),
+    (2.0**-24, "fp16", "0000000000000001", "subnormal"),
+    (2.0**-14, "fp16", "0000010000000000", "normal"),
+    (-0.0, "fp16", "1000000000000000", "zero"),
+    (math.inf, "fp16", "0111110000000000", "inf"),
+    (-math.inf, "fp16", "1111110000000000", "inf"),
+    (1.0, "bf16", "0011111110000000", "normal"),
+    (2.0**-133, "bf16", "0000000000000001", "subnormal"),
+    (1.0, "fp32", format(0x3F800000, "032b"), "normal"),
+    (2.0**-149, "fp32", "0" * 31 + "1", "subnormal"),
+    (448.0, "fp8_e4m3fn", "01111110", "normal"),
+    (2.0**-9, "fp8_e4m3fn", "00000001", "subnormal"),
+    (57344.0, "fp8_e5m2", "01111011", "normal"),
+    (math.inf, "fp8_e5m2", "01111100", "inf"),
+])
+def test_known_values_have_known_bit_patterns(x, fmt, bits, kind):
+    d = F.decompose(x, fmt)
+    assert (d.bits, d.kind) == (bits, kind)
+    assert d.pattern == int(bits, 2)
+    assert d.value == x and d.error == 0.0
+    assert math.copysign(1, d.value) == math.copysign(1, x)  # -0.0 keeps its sign
+
+
+@pytest.mark.parametrize("fmt", STORAGE)
+def test_nan_decomposes_as_nan_in_every_format(fmt):
+    d = F.decompose(math.nan, fmt)
+    assert d.kind == "nan" and math.isnan(d.value) and math.isnan(d.error) and d.exponent is None
+
+
+def test_fields_and_exponent_of_a_normal_and_a_subnormal():
+    d = F.decompose(0.1, "bf16")
+    assert (d.sign, d.exponent_field, d.exponent, d.mantissa) == (0, 123, -4, 77)
+    assert d.significand == 1 + 77 / 128 and d.value == 0.10009765625
+    assert d.pretty_bits == "0 01111011 1001101"
+    s = F.decompose(3 * 2.0**-24, "fp16")
+    assert (s.kind, s.exponent_field, s.exponent, s.mantissa, s.significand) == ("subnormal", 0, -14, 3, 3 / 1024)
+
+
+@pytest.mark.parametrize("x, want", [
+    (1 + 2.0**-8, 1.0),                   # tie between 1 (even) and 1 + 2^-7 (odd): down
+    (1 + 3 * 2.0**-8, 1 + 2.0**-6),       # tie between 1 + 2^-7 (odd) and 1 + 2^-6 (even): up
+    (1 + 2.0**-8 + 2.0**-20, 1 + 2.0**-7),  # just above the tie: up
+    (1 + 2.0**-8 - 2.0**-20, 1.0),        # just below the tie: down
+    (-(1 + 3 * 2.0**-8), -(1 + 2.0**-6)),  # symmetric for negatives
+    ((2 - 2.0**-8) * 2.0**127, math.inf),  # the tie above bf16's max (odd mantissa) goes to inf
+])
+def test_bf16_rounds_to_nearest_ties_to_even(x, want):
+    assert F.decompose(x, "bf16").value == want
+
+
+@pytest.mark.parametrize("x, want", [(2049.0, 2048.0), (2051.0, 2052.0), (65519.0, 65504.0), (65520.0, math.inf),
+                                     (2.0**-25, 0.0), (2.0**-25 * (1 + 2.0**-10), 2.0**-24), (3 * 2.0**-26, 2.0**-24)])
+def test_fp16_rounding_at_ties_overflow_and_underflow(x, want):
+    assert F.decompose(x, "fp16").value == want
+
+
+@pytest.mark.parametrize("fmt", STORAGE)
+def test_random_patterns_round_trip_and_fields_rebuild_the_value(fmt):
+    f = F.get_format(fmt)
+    rng = random.Random(0)
+    patterns = range(2 ** f.bits) if f.bits == 8 else [rng.randrange(2 ** f.bits) for _ in range(3000)]
+    for p in patterns:
+        d = F.decode(p, fmt)
+        if d.kind == "nan":
+            continue  # NaN payloads are not preserved by conversions (see the chapter)
+        assert F.decompose(d.value, fmt).pattern == p
+        if d.kind not in ("inf",):
+            assert (-1) ** d.sign * math.ldexp(d.significand, d.exponent) == d.value
+
+
+@pytest.mark.parametrize("fmt", STORAGE)
+def test_decompose_rounds_like_torch_and_the_error_is_at_most_half_a_gap(fmt):
+    f = F.get_format(fmt)
+    rng = random.Random(1)
+    for _ in range(500):
+        x = float(np.float32(rng.uniform(-1, 1) * 2.0 ** rng.uniform(math.log2(f.smallest_normal), math.log2(f.max))))
+        d = F.decompose(x, fmt)
+        assert d.value == float(torch.tensor(x).to(f.dtype).double())
+        assert d.error == d.value - x
+        assert abs(d.error) <= F.spacing(x, fmt).item() / 2
+
+
+def test_all_values_lists_every_pattern_in_order():
+    v = F.all_values("fp16")
+    assert v.shape == (65536,) and v[0x3C00] == 1.0 and v[0x7BFF] == 65504.0 and v[0x0001] == 2.0**-24
+    assert torch.isnan(v).sum() == 2 * 1023 and torch.isinf(v).sum() == 2
+    assert int(torch.isnan(F.all_values("fp8_e4m3fn")).sum()) == 2  # only S.1111.111
+
+
+# --------------------------------------------------------------------------- formats and ranges
+
+@pytest.mark.parametrize("fmt, max_, normal, subnormal, eps", [
+    ("fp32", 3.4028234663852886e38, 2.0**-126, 2.0**-149, 2.0**-23),
+    ("fp16", 65504.0, 2.0**-14, 2.0**-24, 2.0**-10),
+    ("bf16", 3.3895313892515355e38, 2.0**-126, 2.0**-133, 2.0**-7),
+    ("fp8_e4m3fn", 448.0, 2.0**-6, 2.0**-9, 2.0**-3),
+    ("fp8_e5m2", 57344.0, 2.0**-14, 2.0**-16, 2.0**-2),
+])
+def test_format_table_has_the_exact_limits_and_agrees_with_the_layout(fmt, max_, normal, subnormal, eps):
+    row = next(r for r in F.format_table() if r["format"] == fmt)
+    assert (row["max"], row["smallest_normal"], row["smallest_subnormal"], row["eps"]) == (max_, normal, subnormal, eps)
+    assert row["source"] == "torch.finfo"
+    f = F.get_format(fmt)
+    assert (f.max, f.smallest_normal, f.smallest_subnormal, f.eps) == (max_, normal, subnormal, eps)
+
+
+def test_tf32_is_described_but_is_not_a_storage_dtype():
+    row = next(r for r in F.format_table() if r["format"] == "tf32")
+    assert (row["exponent_bits"], row["mantissa_bits"], row["bits"], row["eps"]) == (8, 10, 19, 2.0**-10)
+    assert row["smallest_subnormal"] is None and "layout" in row["source"]
+    with pytest.raises(ValueError, match="not a storage dtype"):
+        F.decompose(1.0, "tf32")
+    assert "tf32" in F.format_table_text() and "n/a" in F.format_table_text()
+
+
+@pytest.mark.parametrize("name, want", [("half", "fp16"), (torch.bfloat16, "bf16"), ("e4m3", "fp8_e4m3fn"),
+                                        ("float8_e5m2", "fp8_e5m2"), ("torch.float32", "fp32")])
+def test_formats_are_found_by_alias_and_by_dtype(name, want):
+    assert F.get_format(name).name == want
+
+
+def test_unknown_format_names_the_known_ones():
+    with pytest.raises(ValueError, match="fp16"):
+        F.get_format("fp12")
+
+
+# --------------------------------------------------------------------------- spacing and fate
+
+@pytest.mark.parametrize("x, fmt, gap", [
+    (1.0, "fp16", 2.0**-10), (2048.0, "fp16", 2.0), (65504.0, "fp16", 32.0), (1e-7, "fp16", 2.0**-24),
+    (1.0, "bf16", 2.0**-7), (1.0, "fp8_e4m3fn", 0.125), (448.0, "fp8_e4m3fn", 32.0), (1.0, "fp8_e5m2", 0.25),
+])
+def test_spacing_is_one_ulp(x, fmt, gap):
+    assert F.spacing(x, fmt).item() == gap
+
+
+@pytest.mark.parametrize("x, fmt", [(70000.0, "fp16"), (500.0, "fp8_e4m3fn"), (math.nan, "bf16"), (1e39, "fp32")])
+def test_spacing_is_nan_outside_the_range(x, fmt):
+    assert math.isnan(F.spacing(x, fmt).item())
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp16"])
+def test_spacing_matches_torch_nextafter(fmt):
+    dt = F.get_format(fmt).dtype
+    x = (torch.rand(2000, generator=torch.Generator().manual_seed(0)) * 2 - 1) * 1e4
+    v = x.to(dt).abs()
+    want = (torch.nextafter(v, torch.full_like(v, math.inf)).double() - v.double())
+    assert torch.equal(F.spacing(x, fmt), want)
+
+
+def _fp32_values(fmt: str, seed: int) -> list[float]:
+    f = F.get_format(fmt)
+    rng = random.Random(seed)
+    xs = [float(np.float32(2.0 ** rng.uniform(-149, 128))) for _ in range(3000)]
+    for a in [f.max, F.overflow_threshold(f), f.smallest_normal, f.smallest_normal - f.smallest_subnormal / 2,
+              f.smallest_subnormal, f.smallest_subnormal / 2]:
+        v = np.float32(a)
+        xs += [float(v), float(np.nextafter(v, np.float32(0))), float(np.nextafter(v, np.float32(np.inf)))]
+    return [x for x in xs if x != 0 and math.isfinite(x)]
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp8_e5m2"])
+def test_fate_agrees_with_torch_across_the_range_and_at_every_threshold(fmt):
+    f = F.get_format(fmt)
+    for x in _fp32_values(fmt, seed=2):
+        r = float(torch.tensor([x]).to(f.dtype).double()[0])
+        want = "overflow" if math.isinf(r) else "underflow" if r == 0 else \
+               "subnormal" if abs(r) < f.smallest_normal else "normal"
+        assert F.fate(x, fmt) == want == F.fate(-x, fmt), x
+
+
+def test_e4m3fn_overflow_starts_after_the_tie_at_464():
+    assert F.fate(464.0, "e4m3") == "normal" and F.decompose(464.0, "e4m3").value == 448.0
+    assert F.fate(464.0001, "e4m3") == "overflow"
+
+
+def test_e4m3fn_out_of_range_saturates_on_this_torch():
+    # Chapter 01 §7 says the installed torch saturates (older releases gave NaN). If this fails,
+    # torch changed its fp8 conversion: update the chapter's text.
+    out = torch.tensor([465.0, 1e6, math.inf, -math.inf]).to(torch.float8_e4m3fn).float()
+    assert out.tolist() == [448.0, 448.0, 448.0, -448.0]
+
+
+def test_fates_counts_fractions_of_nonzero_finite_entries():
+    t = torch.tensor([1e5, 1.0, 1e-6, 1e-9, 0.0, math.nan])
+    assert F.fates(t, "fp16") == {"overflow": 0.25, "underflow": 0.25, "subnormal": 0.25, "normal": 0.25}
+    assert F.fates(t, "bf16") == {"overflow": 0.0, "underflow": 0.0, "subnormal": 0.0, "normal": 1.0}
+
+
+# --------------------------------------------------------------------------- accumulation and matmul
+
+def test_naive_sums_stall_where_the_increment_is_below_half_the_gap():
+    rows = {(r["format"], r["how"]): r for r in F.sum_experiment(1e-4, 10_000)}
+    assert rows[("fp16", "naive")]["final"] == 0.25 and rows[("fp16", "naive")]["stalled_value"] == 0.25
+    assert rows[("bf16", "naive")]["final"] == 0.03125
+    assert rows[("fp32", "naive")]["stalled_after_step"] is None
+    assert rows[("fp16", "fp32 acc")]["rel_error"] < 1e-3 and rows[("bf16", "fp32 acc")]["rel_error"] < 2e-3
+    assert rows[("bf16", "torch.sum")]["final"] == 1.0  # CPU reductions accumulate in fp32
+
+
+def test_running_sum_rounds_after_every_addition():
+    partial = F.running_sum([2048.0, 1.0, 1.0], "fp16")
+    assert partial.tolist() == [2048.0, 2048.0, 2048.0]  # each +1 is a tie that rounds back to even
+    assert F.running_sum([2048.0, 1.0, 1.0], "fp16", accumulator="fp32").tolist() == [2048.0, 2049.0, 2050.0]
+
+
+def test_cpu_matmul_accumulates_in_high_precision_and_a_16_bit_accumulator_does_not():
+    for fmt in ["fp16", "bf16"]:
+        floor = F.matmul_error(4096, fmt, method="inputs")
+        assert F.matmul_error(4096, fmt) < 1.5 * floor
+        assert F.matmul_error(4096, fmt, method="naive") > 3 * F.matmul_error(64, fmt, method="naive")
+        assert F.matmul_error(4096, fmt, method="naive") > 3 * floor
+    assert F.matmul_error(1024, "fp32") < 1e-6
+    with pytest.raises(ValueError, match="method"):
+        F.matmul_error(16, "fp16", method="fast")
+
+
+def test_matmul_table_has_every_column_and_prints(monkeypatch):
+    rows = F.matmul_table(ks=(64,), device="cpu")
+    assert set(F.MATMUL_COLUMNS) <= set(rows[0]) and all(0 <= rows[0][c] < 0.01 for c in F.MATMUL_COLUMNS)
+    assert torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction is True  # restored
+    assert "fp16 RR off" in F.matmul_table_text(rows)
+
+
+def test_fp8_needs_a_per_tensor_scale():
+    t = torch.randn(10_000, generator=torch.Generator().manual_seed(0)) * 1e-3
+    rel = lambda back: ((back - t).norm() / t.norm()).item()  # noqa: E731
+    unscaled, _ = F.fp8_roundtrip(t, "fp8_e4m3fn", scaled=False)
+    scaled, scale = F.fp8_roundtrip(t, "fp8_e4m3fn")
+    assert rel(unscaled) > 0.3 and rel(scaled) < 0.05
+    assert scale == pytest.approx(448.0 / t.abs().max().item())
+
+
+# --------------------------------------------------------------------------- exercise 01 checks
+
+def decode_fp16(bits):
+    sign = -1.0 if bits >> 15 else 1.0
+    e, m = (bits >> 10) & 0x1F, bits & 0x3FF
+    if e == 31:
+        return sign * math.inf if m == 0 else math.nan
+    if e == 0:
+        return sign * math.ldexp(m, -24)
+    return sign * math.ldexp(1024 + m, e - 25)
+
+
+def decode_forgets_subnormals(bits):
+    e, m = (bits >> 10) & 0x1F, bits & 0x3FF
+    return decode_fp16(bits) if e != 0 or m == 0 else (-1.0 if bits >> 15 else 1.0) * math.ldexp(1024 + m, -25)
+
+
+def decode_bias_16(bits):
+    e = (bits >> 10) & 0x1F
+    return decode_fp16(bits) / 2 if e != 31 else decode_fp16(bits)
+
+
+def decode_subnormal_exponent_minus_15(bits):
+    e = (bits >> 10) & 0x1F
+    return decode_fp16(bits) / 2 if e == 0 else decode_fp16(bits)
+
+
+def decode_without_inf_nan(bits):
+    sign = -1.0 if bits >> 15 else 1.0
+    e, m = (bits >> 10) & 0x1F, bits & 0x3FF
+    return sign * (math.ldexp(m, -24) if e == 0 else math.ldexp(1024 + m, e - 25))
+
+
+def decode_loses_negative_zero(bits):
+    v = decode_fp16(bits)
+    return 0.0 if v == 0 else v
+
+
+def round_to_bf16(bits):
+    if (bits & 0x7F800000) == 0x7F800000 and bits & 0x7FFFFF:
+        return 0x7FC0
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def round_by_truncation(bits):
+    return bits >> 16
+
+
+def round_half_up(bits):
+    if (bits & 0x7F800000) == 0x7F800000 and bits & 0x7FFFFF:
+        return 0x7FC0
+    return ((bits + 0x8000) >> 16) & 0xFFFF
+
+
+def round_nan_unaware(bits):
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def fp_fate(x, fmt):
+    return F.fate(x, fmt)
+
+
+def fate_overflow_above_max(x, fmt):
+    return "overflow" if abs(x) > F.get_format(fmt).max else F.fate(x, fmt)
+
+
+def fate_no_subnormals(x, fmt):
+    r = F.fate(x, fmt)
+    return "underflow" if r == "subnormal" else r
+
+
+def fate_underflow_below_smallest_subnormal(x, fmt):
+    return "underflow" if abs(x) < F.get_format(fmt).smallest_subnormal else F.fate(x, fmt)
+
+
+def fate_bf16_treated_as_fp16(x, fmt):
+    return F.fate(x, "fp16")
+
+
+def bf16_dot_errors(x, y):
+    ref = torch.dot(x.double(), y.double())
+    xb, yb = x.bfloat16(), y.bfloat16()
+    s = torch.zeros((), dtype=torch.bfloat16)
+    for a, b in zip(xb, yb):
+        s = s + a * b
+    rel = lambda v: (abs(v.double() - ref) / abs(ref)).item()  # noqa: E731
+    return rel(torch.dot(xb.float(), yb.float())), rel(s)
+
+
+def dot_sequential_fp32_accumulator(x, y):  # also right: another fp32 summation order
+    ref = torch.dot(x.double(), y.double()).item()
+    s = np.float32(0)
+    for a, b in zip(x.bfloat16().float().tolist(), y.bfloat16().float().tolist()):
+        s = np.float32(s + np.float32(a * b))
+    return abs(float(s) - ref) / abs(ref), bf16_dot_errors(x, y)[1]
+
+
+def dot_inputs_not_rounded(x, y):
+    ref = torch.dot(x.double(), y.double())
+    return (abs(torch.dot(x, y).double() - ref) / ref).item(), bf16_dot_errors(x, y)[1]
+
+
+def dot_naive_with_torch_dot(x, y):
+    ref = torch.dot(x.double(), y.double())
+    return bf16_dot_errors(x, y)[0], (abs(torch.dot(x.bfloat16(), y.bfloat16()).double() - ref) / ref).item()
+
+
+def dot_absolute_errors(x, y):
+    ref = torch.dot(x.double(), y.double()).item()
+    mixed, naive = bf16_dot_errors(x, y)
+    return mixed * ref, naive * ref
+
+
+def dot_mixed_result_rounded_to_bf16(x, y):
+    ref = torch.dot(x.double(), y.double())
+    return (abs((x.bfloat16() @ y.bfloat16()).double() - ref) / ref).item(), bf16_dot_errors(x, y)[1]
+
+
+CASES = {
+    "01.decode_fp16": (decode_fp16, [decode_forgets_subnormals, decode_bias_16, decode_subnormal_exponent_minus_15,
+                                     decode_without_inf_nan, decode_loses_negative_zero]),
+    "01.round_to_bf16": (round_to_bf16, [round_by_truncation, round_half_up, round_nan_unaware]),
+    "01.fp_fate": (fp_fate, [fate_overflow_above_max, fate_no_subnormals, fate_underflow_below_smallest_subnormal,
+                             fate_bf16_treated_as_fp16]),
+    "01.bf16_dot_errors": (bf16_dot_errors, [dot_inputs_not_rounded, dot_naive_with_torch_dot, dot_absolute_errors,
+                                             dot_mixed_result_rounded_to_bf16]),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_check_accepts_the_reference_solution(name):
+    for _ in range(3):  # fresh random inputs each time: the check must never reject a right answer
+        get_check(name).fn(CASES[name][0])
+
+
+def test_bf16_dot_check_accepts_any_fp32_summation_order():
+    get_check("01.bf16_dot_errors").fn(dot_sequential_fp32_accumulator)
+
+
+@pytest.mark.parametrize("name, wrong", [(n, w) for n, (_, ws) in CASES.items() for w in ws],
+                         ids=lambda v: getattr(v, "__name__", v))
+def test_check_rejects_a_plausible_wrong_solution(name, wrong):
+    with pytest.raises(AssertionError):  # CheckFailure is an AssertionError with the learner's message
+        get_check(name).fn(wrong)
+
+
+def test_decode_check_names_the_kind_of_pattern_that_is_wrong():
+    with pytest.raises(AssertionError, match=r"subnormal 2046.*no implicit leading 1"):
+        get_check("01.decode_fp16").fn(decode_forgets_subnormals)
+    with pytest.raises(AssertionError, match=r"-0\.0"):
+        get_check("01.decode_fp16").fn(decode_loses_negative_zero)
+
+
+def test_checks_are_registered_with_points_and_hints():
+    from course_lib.grading import checks_for
+    names = [c.name for c in checks_for("01")]
+    assert names == list(CASES)
+    assert all(c.hint and c.points >= 2 for c in checks_for("01"))

@@ -1,0 +1,111 @@
+"""course_lib.widgets (chapter 01): the bit explorer's pure logic, its static fallbacks, the live widget."""
+import math
+import sys
+
+import pytest
+
+from course_lib import widgets as W
+from course_lib.formats import decompose
+
+
+@pytest.mark.parametrize("text, want", [("0.1", 0.1), (" 1e-8 ", 1e-8), ("2**-24", 2.0**-24), ("2^-24", 2.0**-24),
+                                        ("-inf", -math.inf), ("65504 + 16", 65520.0), ("-(1/3)", -1 / 3)])
+def test_parse_number_reads_numbers_and_simple_arithmetic(text, want):
+    assert W.parse_number(text) == want
+
+
+def test_parse_number_reads_nan():
+    assert math.isnan(W.parse_number("nan"))
+
+
+@pytest.mark.parametrize("text", ["abc", "__import__('os').getcwd()", "1/0", "(1).real", "2**", "True + 1", ""])
+def test_parse_number_refuses_anything_but_arithmetic(text):
+    with pytest.raises(ValueError):
+        W.parse_number(text)
+
+
+def test_bit_positions_count_from_the_sign_bit():
+    fields = [W.field_of(i, "fp16") for i in range(16)]
+    assert fields == ["sign"] + ["exponent"] * 5 + ["mantissa"] * 10
+    assert W.field_of(8, "bf16") == "exponent" and W.field_of(9, "bf16") == "mantissa"
+    with pytest.raises(ValueError):
+        W.field_of(16, "fp16")
+
+
+@pytest.mark.parametrize("fmt, pattern, position, want", [
+    ("fp16", 0x3C00, 0, 0xBC00),    # sign: 1.0 -> -1.0
+    ("fp16", 0x3C00, 15, 0x3C01),   # last mantissa bit: 1 + 2^-10
+    ("fp16", 0x3C00, 1, 0x7C00),    # top exponent bit of 1.0: 01111 -> 11111, inf
+    ("bf16", 0x3F80, 1, 0x7F80),    # the same in bf16
+    ("fp8_e4m3fn", 0x7E, 7, 0x7F),  # 448 -> the NaN pattern
+])
+def test_flip_bit_flips_the_drawn_bit(fmt, pattern, position, want):
+    assert W.flip_bit(pattern, position, fmt) == want
+    assert W.flip_bit(want, position, fmt) == pattern  # flipping twice is the identity
+
+
+def test_explorer_state_follows_typed_numbers_flipped_bits_and_format_changes():
+    s = W.ExplorerState.start(0.1, "bf16")
+    assert s.pattern == 0x3DCD and s.edited.value == 0.10009765625
+    s = s.flipped(0)  # the sign bit
+    assert s.value == -0.10009765625 and s.pattern == 0xBDCD
+    s = s.with_format("fp16")  # the value is re-rounded in the new format
+    assert s.pattern == decompose(-0.10009765625, "fp16").pattern and s.edit_format == "fp16"
+    s = s.with_value(65520.0)
+    assert s.edited.kind == "inf"
+    s = W.ExplorerState.start(1.0, "fp16").flipped(15)
+    assert s.value == 1 + 2.0**-10
+
+
+def test_static_text_shows_every_format_with_bits_values_and_errors():
+    text = W.static_text(65520.0)
+    lines = text.splitlines()
+    assert len(lines) == 2 + len(W.EXPLORER_FORMATS)
+    fp16 = next(line for line in lines if line.startswith("fp16"))
+    assert "0 11111 0000000000" in fp16 and "inf" in fp16 and "overflow" in fp16
+    bf16 = next(line for line in lines if line.startswith("bf16"))
+    assert "65536.0" in bf16 and "+1.600e+01" in bf16
+    assert "exact" in next(line for line in lines if line.startswith("fp32"))
+    assert W.static_text(65520.0) == text  # deterministic: the notebook test compares it
+
+
+def test_static_html_colours_every_bit_and_escapes_values():
+    html = W.static_html(0.1)
+    assert html.count("<tr>") == 1 + len(W.EXPLORER_FORMATS)
+    assert html.count(W.COLORS["sign"]) == len(W.EXPLORER_FORMATS)
+    assert html.count(W.COLORS["exponent"]) == 8 + 8 + 5 + 4 + 5
+    assert html.count(W.COLORS["mantissa"]) == 23 + 7 + 10 + 3 + 2
+    assert "<script" not in html
+
+
+def test_explorer_display_carries_the_widget_and_both_static_tables():
+    e = W.bit_explorer(0.1)
+    bundle = e._repr_mimebundle_()
+    assert bundle["text/plain"] == W.static_text(0.1) == repr(e)
+    assert bundle["text/html"] == W.static_html(0.1) == e._repr_html_()
+    assert "model_id" in bundle["application/vnd.jupyter.widget-view+json"]
+
+
+def test_explorer_falls_back_to_the_tables_without_ipywidgets(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)  # makes `import ipywidgets` raise ImportError
+    bundle = W.bit_explorer(1e-8)._repr_mimebundle_()
+    assert set(bundle) == {"text/plain", "text/html"}
+    assert "0 00000 0000000000" in bundle["text/plain"]  # 1e-8 underflows fp16
+
+
+def test_live_widget_clicks_typing_and_format_changes_update_the_view():
+    e = W.bit_explorer(1.0, edit_format="fp16")
+    box = e.widget()
+    number, table, fmt, bits, meaning = box.children[0].children[0], box.children[1], box.children[2], \
+        box.children[3], box.children[4]
+    assert [b.description for b in bits.children] == list("0011110000000000")
+    bits.children[0].click()  # the sign bit
+    assert number.value == "-1.0" and e.state.value == -1.0 and "-1.0" in table.value
+    assert bits.children[0].description == "1" and "normal" in meaning.value
+    number.value = "2**-24"
+    assert e.state.pattern == 0x0001 and "subnormal" in meaning.value
+    number.value = "not a number"
+    assert "cannot read" in box.children[0].children[1].value and e.state.pattern == 0x0001  # unchanged
+    fmt.value = "fp32"
+    assert len(bits.children) == 32 and e.state.edit_format == "fp32"
+    assert e.widget() is box  # built once
