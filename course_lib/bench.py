@@ -168,6 +168,50 @@ def tf32(enabled: bool):
         torch.backends.cudnn.allow_tf32 = old[1]
 
 
+def matmul_tflops(n: int, dtype: torch.dtype, device: torch.device | str, *, allow_tf32: bool = False,
+                  iters: int = 10) -> float:
+    """Chapter 02: achieved TFLOP/s of an n x n x n matmul in `dtype` (2*n^3 FLOPs per call)."""
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(n, n, device=dev, dtype=dtype, generator=g)
+    b = torch.randn(n, n, device=dev, dtype=dtype, generator=g)
+    with tf32(allow_tf32):
+        t = time_fn(lambda: a @ b, warmup=3, iters=iters, device=dev)
+    return 2 * n ** 3 / (t.median_ms * 1e-3) / 1e12
+
+
+def matmul_table(n: int | None = None, device: str = "auto", iters: int = 10) -> list[dict]:
+    """Chapter 02: matmul speed per dtype on this device, next to the datasheet peak.
+
+    On a GPU this is where Tensor Cores show: fp16/bf16 (and TF32) run on them, strict fp32
+    does not. n defaults to 8192 on CUDA (large enough to approach peak) and 512 on a CPU.
+    """
+    dev = pick_device(device)
+    n = n or (8192 if dev.type == "cuda" else 512)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
+    specs = [("fp32 (strict)", torch.float32, False, "fp32"), ("tf32", torch.float32, True, "tf32"),
+             ("fp16", torch.float16, False, "fp16"), ("bf16", torch.bfloat16, False, "bf16")]
+    rows = []
+    for label, dtype, allow, key in specs:
+        if allow and dev.type != "cuda":
+            continue  # TF32 is an NVIDIA Ampere+ mode; on a CPU the row would repeat strict fp32
+        achieved = matmul_tflops(n, dtype, dev, allow_tf32=allow, iters=iters)
+        peak = peak_tflops(name, key) if name else None
+        rows.append({"dtype": label, "n": n, "tflops": achieved, "peak_tflops": peak,
+                     "fraction_of_peak": achieved / peak if peak else None})
+    return rows
+
+
+def format_matmul_table(rows: list[dict]) -> str:
+    """Chapter 02: matmul_table rows as text."""
+    out = [f"{'dtype':<15}{'n':>7}{'TFLOP/s':>10}{'peak':>9}{'of peak':>9}"]
+    for r in rows:
+        peak = f"{r['peak_tflops']:.0f}" if r["peak_tflops"] else "n/a"
+        frac = f"{r['fraction_of_peak']:.0%}" if r["fraction_of_peak"] else "n/a"
+        out.append(f"{r['dtype']:<15}{r['n']:>7}{r['tflops']:>10.2f}{peak:>9}{frac:>9}")
+    return "\n".join(out)
+
+
 def provenance(command: str) -> dict:
     """Chapter 00: where and how a number was measured; stored with every reference result."""
     dev = pick_device()
@@ -266,12 +310,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int)
     p.add_argument("--steps", type=int, help="timed steps per row (median reported)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--json", help="also write rows + provenance to this JSON file (e.g. data/reference/bench_<gpu>.json)")
+    p.add_argument("--matmul", action="store_true", help="time an n^3 matmul per dtype instead (chapter 02)")
+    p.add_argument("--n", type=int, help="matrix size for --matmul")
+    p.add_argument("--json", help="also write rows + provenance to this JSON file "
+                                  "(data/reference/bench_<gpu>.json, or matmul_<gpu>.json with --matmul)")
     args = p.parse_args(argv)
-    rows = precision_table(args.model, args.batch, args.steps, args.device)
+    if args.matmul:
+        rows = matmul_table(args.n, args.device)
+    else:
+        rows = precision_table(args.model, args.batch, args.steps, args.device)
     prov = provenance("python -m course_lib.bench " + " ".join(argv if argv is not None else sys.argv[1:]))
     print(f"{prov['device']} | torch {prov['torch']} | CUDA {prov['cuda']} | {prov['date']}")
-    print(format_table(rows))
+    print(format_matmul_table(rows) if args.matmul else format_table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"provenance": prov, "rows": rows}, f, indent=2)

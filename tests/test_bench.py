@@ -52,3 +52,15 @@ def test_cli_prints_table_and_writes_json_with_provenance(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert {"device", "torch", "date", "command"} <= set(data["provenance"])
     assert data["rows"][0]["speedup_vs_fp32"] == 1.0
+
+
+def test_matmul_table_on_cpu_skips_tf32_and_reports_positive_throughput():
+    rows = bench.matmul_table(n=64, device="cpu", iters=2)
+    assert [r["dtype"] for r in rows] == ["fp32 (strict)", "fp16", "bf16"]
+    assert all(r["tflops"] > 0 and r["peak_tflops"] is None for r in rows)
+    assert "TFLOP/s" in bench.format_matmul_table(rows)
+
+
+def test_matmul_tflops_counts_two_n_cubed_flops(monkeypatch):
+    monkeypatch.setattr(bench, "time_fn", lambda *a, **k: bench.Timing([2.0]))  # 2 ms per call
+    assert bench.matmul_tflops(1000, torch.float32, "cpu") == pytest.approx(2e9 / 2e-3 / 1e12)
