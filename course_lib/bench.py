@@ -180,7 +180,7 @@ def matmul_tflops(n: int, dtype: torch.dtype, device: torch.device | str, *, all
     return 2 * n ** 3 / (t.median_ms * 1e-3) / 1e12
 
 
-def matmul_table(n: int | None = None, device: str = "auto", iters: int = 10) -> list[dict]:
+def matmul_speed_table(n: int | None = None, device: str = "auto", iters: int = 10) -> list[dict]:
     """Chapter 02: matmul speed per dtype on this device, next to the datasheet peak.
 
     On a GPU this is where Tensor Cores show: fp16/bf16 (and TF32) run on them, strict fp32
@@ -202,8 +202,8 @@ def matmul_table(n: int | None = None, device: str = "auto", iters: int = 10) ->
     return rows
 
 
-def format_matmul_table(rows: list[dict]) -> str:
-    """Chapter 02: matmul_table rows as text."""
+def format_matmul_speed(rows: list[dict]) -> str:
+    """Chapter 02: matmul_speed_table rows as text."""
     out = [f"{'dtype':<15}{'n':>7}{'TFLOP/s':>10}{'peak':>9}{'of peak':>9}"]
     for r in rows:
         peak = f"{r['peak_tflops']:.0f}" if r["peak_tflops"] else "n/a"
@@ -239,6 +239,22 @@ def load_references(pattern: str = "*.json") -> list[dict]:
         with open(path) as f:
             out.append({"file": path.name, **json.load(f)})
     return out
+
+
+def report(module: str, argv: list[str] | None, rows: list[dict], text: str, json_path: str | None) -> dict:
+    """Chapter 00: print a measured table under its provenance line; with json_path, save both.
+
+    Every CLI that records a reference result for data/reference/ goes through here, so every
+    file carries the same provenance fields.
+    """
+    prov = provenance(f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]))
+    print(f"{prov['device']} | torch {prov['torch']} | CUDA {prov['cuda']} | {prov['date']}")
+    print(text)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"provenance": prov, "rows": rows}, f, indent=2)
+        print(f"wrote {json_path}")
+    return prov
 
 
 def default_workload(device: torch.device) -> tuple[str, int, int]:
@@ -316,16 +332,10 @@ def main(argv: list[str] | None = None) -> int:
                                   "(data/reference/bench_<gpu>.json, or matmul_<gpu>.json with --matmul)")
     args = p.parse_args(argv)
     if args.matmul:
-        rows = matmul_table(args.n, args.device)
+        rows = matmul_speed_table(args.n, args.device)
     else:
         rows = precision_table(args.model, args.batch, args.steps, args.device)
-    prov = provenance("python -m course_lib.bench " + " ".join(argv if argv is not None else sys.argv[1:]))
-    print(f"{prov['device']} | torch {prov['torch']} | CUDA {prov['cuda']} | {prov['date']}")
-    print(format_matmul_table(rows) if args.matmul else format_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"provenance": prov, "rows": rows}, f, indent=2)
-        print(f"wrote {args.json}")
+    report("course_lib.bench", argv, rows, format_matmul_speed(rows) if args.matmul else format_table(rows), args.json)
     return 0
 
 

@@ -18,7 +18,6 @@ A value of a format with e exponent bits and m mantissa bits is
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -523,7 +522,7 @@ def matmul_table_text(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .bench import provenance
+    from .bench import report
     from .device import pick_device
 
     p = argparse.ArgumentParser(prog="python -m course_lib.formats",
@@ -533,13 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     dev = pick_device(args.device)
     rows = matmul_table(device=dev)
-    prov = provenance("python -m course_lib.formats " + " ".join(argv if argv is not None else sys.argv[1:]))
-    print(f"{prov['device']} | torch {prov['torch']} | CUDA {prov['cuda']} | {prov['date']}")
-    print(matmul_table_text(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"provenance": prov, "rows": rows}, f, indent=2)
-        print(f"wrote {args.json}")
+    report("course_lib.formats", argv, rows, matmul_table_text(rows), args.json)
     return 0
 
 

@@ -55,10 +55,10 @@ def test_cli_prints_table_and_writes_json_with_provenance(tmp_path, capsys):
 
 
 def test_matmul_table_on_cpu_skips_tf32_and_reports_positive_throughput():
-    rows = bench.matmul_table(n=64, device="cpu", iters=2)
+    rows = bench.matmul_speed_table(n=64, device="cpu", iters=2)
     assert [r["dtype"] for r in rows] == ["fp32 (strict)", "fp16", "bf16"]
     assert all(r["tflops"] > 0 and r["peak_tflops"] is None for r in rows)
-    assert "TFLOP/s" in bench.format_matmul_table(rows)
+    assert "TFLOP/s" in bench.format_matmul_speed(rows)
 
 
 def test_matmul_tflops_counts_two_n_cubed_flops(monkeypatch):
