@@ -177,11 +177,12 @@ class BitExplorer:
         data = {"text/plain": repr(self), "text/html": self._repr_html_()}
         try:
             box = self.widget()
-        except ImportError:  # no ipywidgets: the tables are all there is
+        except Exception:  # no ipywidgets, or no kernel to talk to: the tables are all there is
             return data
-        view = box._repr_mimebundle_()  # the widget-view entry (plus ipywidgets' own text/plain)
-        if view and "application/vnd.jupyter.widget-view+json" in view:
-            data["application/vnd.jupyter.widget-view+json"] = view["application/vnd.jupyter.widget-view+json"]
+        # The same view reference ipywidgets 7 (Colab's) and 8 emit; a frontend without widget
+        # support falls back to the HTML table above.
+        data["application/vnd.jupyter.widget-view+json"] = {"version_major": 2, "version_minor": 0,
+                                                             "model_id": box.model_id}
         return data
 
     # ------------------------------------------------------------ the widget
