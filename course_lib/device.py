@@ -119,8 +119,9 @@ def recommend_precision(device: torch.device | str | None = None,
             return Recommendation("bf16", False, "CPU autocast supports bf16; it keeps fp32's range, so no scaler",
                                   warning or f"even with {', '.join(flags)}, small models may run faster in fp32 on CPU")
         if dev.type == "mps":
-            return Recommendation("fp16", False, "MPS autocast; Apple GPUs have fast fp16",
-                                  "GradScaler on MPS needs torch >= 2.5; check for overflow")
+            return Recommendation("fp16", True, "Apple GPUs run fp16 fast; fp16 needs loss scaling",
+                                  "MPS support for autocast and GradScaler depends on the torch version; "
+                                  "the course is tested on CUDA and CPU")
         capability = cuda_capability(dev)
     cc = tuple(capability)  # type: ignore[arg-type]
     if cc >= (8, 0):
