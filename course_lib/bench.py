@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import platform
 import re
@@ -24,7 +25,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn as nn
 
 from .device import pick_device, recommend_precision
 
@@ -292,15 +292,17 @@ def precision_table(model: str | None = None, batch: int | None = None, steps: i
         net = build_model(model, **kwargs)
         cfg = TrainConfig(precision=precision, device=str(dev), channels_last=channels_last, progress=False, log_every=10**9)
         trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9), cfg)
+        step = functools.partial(trainer.train_step, [(x, y)])
         with tf32(allow_tf32):
-            step = lambda: trainer.train_step([(x, y)])  # noqa: E731
             timing = time_fn(step, warmup=3, iters=steps, device=dev)
             peak = peak_memory_bytes(step, dev)
         rows.append({"mode": label, "precision": precision, "tf32": allow_tf32, "channels_last": channels_last,
                      "model": model, "batch": batch, "ms_per_step": timing.median_ms,
                      "samples_per_s": batch / timing.median_ms * 1e3,
                      "peak_memory_gib": peak / 2**30 if peak is not None else None})
-        del trainer, net
+        # Free this row's model, gradients and optimizer state before the next row is measured:
+        # max_memory_allocated counts everything still allocated, so a leftover would inflate it.
+        del step, trainer, net
     base = rows[0]["ms_per_step"]
     for r in rows:
         if "ms_per_step" in r:

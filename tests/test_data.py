@@ -324,3 +324,24 @@ def test_synthetic_batches_deterministic_on_requested_device_and_dtype(device, d
     assert not torch.equal(a[0][0], a[1][0])  # batches differ from each other
     other = data.synthetic_batches(1, 8, shape=(3, 16, 16), device=device, dtype=dtype, seed=1)
     assert not torch.equal(other[0][0], a[0][0])
+
+
+def test_loader_and_build_script_agree_on_idx_parsing_and_checksum(tmp_path):
+    """data/build_subset.py stays numpy-only and standalone, so it repeats two helpers of
+    course_lib.data; this keeps the copies from drifting (a drift would reject the shipped file)."""
+    import gzip
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_subset", REPO / "data" / "build_subset.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (5, 3, 4), dtype=np.uint8)
+    path = tmp_path / "x-idx3-ubyte.gz"
+    header = bytes([0, 0, 8, 3]) + np.array(images.shape, dtype=">u4").tobytes()
+    path.write_bytes(gzip.compress(header + images.tobytes()))
+    assert np.array_equal(build.read_idx(path), images) and np.array_equal(data._read_idx(path), images)
+    arrays = {"b": images, "a": rng.integers(0, 10, 7, dtype=np.uint8)}
+    assert build.array_sha256(arrays) == data._array_sha256(arrays)
+    with np.load(SHIPPED, allow_pickle=False) as z:
+        assert build.array_sha256({k: z[k] for k in z.files}) == data.SHIPPED_ARRAY_SHA256

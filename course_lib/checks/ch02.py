@@ -28,6 +28,8 @@ def _devices(allow_fake: bool) -> list[tuple[str, bool]]:
 
 
 def _low_dtypes(device: str) -> list[torch.dtype]:
+    # Which dtypes autocast *accepts* here, not which are fast: torch.autocast gates bf16 on the
+    # emulation-inclusive is_bf16_supported(), so a T4 can be probed in bf16 (slowly) too.
     if device == "cuda" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         return [torch.float16]
     return [torch.bfloat16, torch.float16]
