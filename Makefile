@@ -19,7 +19,7 @@ help:
 	@echo "make lab        open JupyterLab on the course (creates .venv on first use)"
 	@echo "make test       run every test: library, notebooks (nbval), grading, exercises in sync"
 	@echo "make test-gpu   the same suite with the current python3 and the GPU cells forced on"
-	@echo "make bench      FP32 / TF32 / AMP table for this machine (python -m course_lib.bench)"
+	@echo "make bench      FP32 / TF32 / AMP table for this machine (python -m course_lib.chapters.bench)"
 	@echo "make exercises  regenerate exercises/ from solutions/"
 	@echo "make stamp      write the Colab badge and setup cell (from pyproject.toml) into every notebook"
 	@echo "make grade SUBMISSIONS=dir [GRADEBOOK=dir]   grade a folder of submitted notebooks"
@@ -43,26 +43,27 @@ lab: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) -m course_lib.device
+	$(VPY) -m ruff check .
 	$(VPY) -m pytest $(SUITE) $(NBVAL)
 
-# GPU tier (see ../shared/gpu/README.md): no venv, no network; cells tagged `gpu` must run.
+# GPU tier (docs/gpu.md): no venv, no network; cells tagged `gpu` must run.
 test-gpu:
 	python3 -m course_lib.device
 	COURSE_GPU_TIER=1 python3 -m pytest $(SUITE) $(NBVAL) -p no:cacheprovider
 
 bench: $(STAMP)
-	$(VPY) -m course_lib.bench
+	$(VPY) -m course_lib.chapters.bench
 
 exercises: $(STAMP)
-	$(VPY) -m course_lib.grading generate
+	$(VPY) -m course_lib.tooling.grading generate
 
 stamp: $(STAMP)
-	$(VPY) -m course_lib.colab stamp
+	$(VPY) -m course_lib.tooling.colab stamp
 
 SUBMISSIONS ?= submissions
 GRADEBOOK   ?= gradebook
 grade: $(STAMP)
-	$(VPY) -m course_lib.grading grade $(SUBMISSIONS) --out $(GRADEBOOK)
+	$(VPY) -m course_lib.tooling.grading grade $(SUBMISSIONS) --out $(GRADEBOOK)
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs gradebook

@@ -98,7 +98,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         tr.section("notebook execution time")
         for path, seconds in sorted(_durations.items()):
             tr.write_line(f"{seconds:7.1f} s  {path}")
-    ran, skipped = len(_gpu_cells.get("passed", [])) + len(_gpu_cells.get("failed", [])), len(_gpu_cells.get("skipped", []))
+    ran = len(_gpu_cells.get("passed", [])) + len(_gpu_cells.get("failed", []))
+    skipped = len(_gpu_cells.get("skipped", []))
     if ran or skipped:
         tr.section("gpu-tagged cells")
-        tr.write_line(f"ran {ran}, skipped {skipped}" + (" (GPU tier: skipped gpu cells fail the run)" if GPU_TIER and skipped else ""))
+        why = " (GPU tier: skipped gpu cells fail the run)" if GPU_TIER and skipped else ""
+        tr.write_line(f"ran {ran}, skipped {skipped}{why}")

@@ -1,14 +1,16 @@
 """Datasets and loaders for the course, with the data's source always printed.
 
-Where the images come from, in this order (provenance and licence: data/README.md):
-  1. shipped  data/fashion_mnist_20k.npz: 10k train (1000/class) + the full 10k test split of
-              Fashion-MNIST, committed to the repo, so every notebook runs offline.
-  2. debian   the full 60k/10k Fashion-MNIST that `apt-get install dataset-fashion-mnist`
-              puts in /usr/share/datasets/fashion-mnist/ (only with full=True).
-  3. torchvision-download  only when downloads are allowed (never in CI or under pytest),
-              with a socket timeout, and CIFAR-10 only comes this way (its licence is unknown,
-              so it is never committed).
-  4. synthetic random on-device tensors, for throughput work where the pixels do not matter.
+Where the images come from (provenance and licence: data/README.md):
+  shipped   data/fashion_mnist_20k.npz, the default: 10k train (1000/class) + the full 10k test
+            split of Fashion-MNIST, committed to the repo, so every notebook runs offline.
+  debian    with full=True: the 60k/10k set that `apt-get install dataset-fashion-mnist` puts
+            in /usr/share/datasets/fashion-mnist/.
+  torchvision-download  full=True or "cifar10", only when downloads are allowed (never in CI
+            or under pytest), with a socket timeout. CIFAR-10 only comes this way: its licence
+            is unknown, so it is never committed.
+  synthetic random tensors, for throughput work where the pixels do not matter.
+A dataset that is not available raises DatasetUnavailable with what to do: the loader never
+substitutes one dataset for another.
 
 Only numpy and torch are imported here: torchvision is optional (a CPU torch wheel next to a
 CUDA torchvision wheel fails at import), so it is imported lazily and only to download.
@@ -27,6 +29,8 @@ from typing import Iterator, Sized
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler, SequentialSampler, TensorDataset
+
+__all__ = ["DATA_DIR", "DatasetUnavailable", "DatasetBundle", "load_dataset", "make_loader"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR: Path = Path(os.environ.get("COURSE_DATA_DIR") or REPO_ROOT / "data")
@@ -54,6 +58,10 @@ CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 DOWNLOAD_TIMEOUT_S = 20  # torchvision's urlopen has no timeout: a black-hole network would hang
 
 
+class DatasetUnavailable(RuntimeError):
+    """Chapter 00: the dataset asked for is not available here; the message says how to get it."""
+
+
 @dataclass
 class DatasetBundle:
     """Chapter 00: what load_dataset returns: the two splits plus where they came from."""
@@ -77,7 +85,7 @@ class DatasetBundle:
 
 
 def downloads_allowed() -> bool:
-    """Chapter 00: may the loader touch the network? Never in CI, offline mode, or under pytest."""
+    """May the loader touch the network? Never in CI, offline mode, or under pytest."""
     if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
         return False
     if os.environ.get("COURSE_OFFLINE", "").lower() in ("1", "true", "yes"):
@@ -86,7 +94,7 @@ def downloads_allowed() -> bool:
 
 
 def default_cache_dir() -> Path:
-    """Chapter 00: where torchvision downloads go (never inside the repo, so never committed)."""
+    """Where torchvision downloads go (never inside the repo, so never committed)."""
     if os.environ.get("COURSE_CACHE_DIR"):
         return Path(os.environ["COURSE_CACHE_DIR"])
     if "google.colab" in sys.modules:
@@ -239,13 +247,15 @@ def load_dataset(name: str = "fashion_mnist", *, full: bool = False,
                  verbose: bool = True) -> DatasetBundle:
     """Chapter 00: load a dataset as normalised float32 tensors, printing where it came from.
 
-    name: "fashion_mnist" (default: the shipped 10k/10k subset), "cifar10" (download only;
-      offline it becomes Fashion-MNIST padded to 3x32x32 so a CIFAR-sized model still runs),
-      or "synthetic" (random 3x32x32 images with random labels).
+    name: "fashion_mnist" (default: the shipped 10k/10k subset), "cifar10" (download only:
+      its licence is unknown, so it is never shipped), or "synthetic" (random 3x32x32 images
+      with random labels, for throughput work).
     full: Fashion-MNIST's full 60k/10k, from the Debian package or a download.
     allow_download: None means downloads_allowed() (False in CI, with COURSE_OFFLINE=1, under pytest).
     root: torchvision's download/cache folder (default: default_cache_dir()).
     train_size / test_size: keep a class-balanced deterministic prefix (fast CPU runs).
+    What you ask for is what you get: a dataset that is not available raises
+    DatasetUnavailable saying how to get it; another dataset is never substituted.
     """
     key = name.lower().replace("-", "_")
     if key not in DATASETS:
@@ -255,6 +265,7 @@ def load_dataset(name: str = "fashion_mnist", *, full: bool = False,
             raise ValueError(f"{arg} must be a positive number of images or None (all), got {n}")
     allow = downloads_allowed() if allow_download is None else allow_download
     root = Path(root) if root is not None else default_cache_dir()
+    offline = "allowed, but it failed" if allow else "off (CI, COURSE_OFFLINE=1 or pytest)"
 
     def say(msg: str) -> None:
         if verbose:
@@ -270,7 +281,7 @@ def load_dataset(name: str = "fashion_mnist", *, full: bool = False,
             print(f"data: {bundle.description}")
         return bundle
 
-    raw, source, origin, cifar_shaped = None, "", "", False
+    raw, source, origin = None, "", ""
     debian_origin = f"from {DEBIAN_DIR} (Debian package dataset-fashion-mnist)"
     torchvision_origin = f"via torchvision, cached in {root}"
     if key == "cifar10":
@@ -278,67 +289,50 @@ def load_dataset(name: str = "fashion_mnist", *, full: bool = False,
             raw = _torchvision_arrays("cifar10", root, download=allow, say=say)
             source, origin = "torchvision-download", torchvision_origin
         if raw is None:
-            why = ("the CIFAR-10 download failed" if allow else "CIFAR-10 needs a download and "
-                   "downloads are off (CI, COURSE_OFFLINE=1 or pytest; allow_download=True forces)")
-            say(f"{why}; using the shipped Fashion-MNIST padded to 3x32x32 instead, "
-                "so a CIFAR-sized model still runs")
-            cifar_shaped = True
-    if raw is None and full and key == "fashion_mnist":
+            raise DatasetUnavailable(
+                f"CIFAR-10 is not shipped with the course (its licence is unknown) and is not in "
+                f"{root}; downloads are {offline}. Online, load_dataset('cifar10', allow_download=True) "
+                f"fetches it (170 MB); offline, use load_dataset('fashion_mnist') or 'synthetic'.")
+    elif full:
         if (files := _debian_files(DEBIAN_DIR)) is not None:
             raw, source, origin = tuple(_read_idx(f) for f in files), "debian", debian_origin
         elif allow or _torchvision_cached("fashion_mnist", root):
             raw = _torchvision_arrays("fashion_mnist", root, download=allow, say=say)
             source, origin = "torchvision-download", torchvision_origin
         if raw is None:
-            say("the full Fashion-MNIST is not available here; using the shipped 10k/10k subset. "
-                "For all 60k: `sudo apt-get install dataset-fashion-mnist`, or go online with "
-                "load_dataset(full=True, allow_download=True)")
-    if raw is None:
+            raise DatasetUnavailable(
+                f"the full Fashion-MNIST (60k/10k) is not here: {DEBIAN_DIR} is not installed and "
+                f"downloads are {offline}. Install it with `sudo apt-get install dataset-fashion-mnist`, "
+                f"go online with load_dataset(full=True, allow_download=True), or use the shipped "
+                f"subset: load_dataset() without full=True.")
+    else:
         path = _shipped_path()
         if path.is_file():  # present but broken -> _load_shipped raises: never mask a bad file
             a = _load_shipped(path)
             raw = (a["x_train"], a["y_train"], a["x_test"], a["y_test"])
             source, origin = "shipped", f"from {_display(path)}"
-        elif (files := _debian_files(DEBIAN_DIR)) is not None:  # missing: next best offline source
-            say(f"{_display(path)} is missing; using the Debian package's full set")
-            raw, source, origin = tuple(_read_idx(f) for f in files), "debian", debian_origin
-        elif allow and (raw := _torchvision_arrays("fashion_mnist", root, True, say)) is not None:
-            source, origin = "torchvision-download", torchvision_origin
         else:
-            raise RuntimeError(
-                f"No Fashion-MNIST found: the shipped file {path} is missing, "
-                f"{DEBIAN_DIR} is not installed, and downloads are "
-                f"{'allowed but failed' if allow else 'off (CI, COURSE_OFFLINE or pytest)'}. "
-                f"Restore the file with `git checkout -- data/{SHIPPED_FILE}` (or re-clone), "
-                f"rebuild it with `python data/build_subset.py`, or "
-                f"`apt-get install dataset-fashion-mnist`.")
+            raise DatasetUnavailable(
+                f"the shipped Fashion-MNIST subset {path} is missing. Restore it with "
+                f"`git checkout -- data/{SHIPPED_FILE}` (or re-clone the course), or rebuild it with "
+                f"`python data/build_subset.py` (needs `apt-get install dataset-fashion-mnist`).")
 
     x_train, y_train, x_test, y_test = raw
-    is_cifar = key == "cifar10" and not cifar_shaped
+    is_cifar = key == "cifar10"
     classes = CIFAR10_CLASSES if is_cifar else FASHION_CLASSES
     for arg, n, y in (("train_size", train_size, y_train), ("test_size", test_size, y_test)):
         if n is not None and n > len(y):
             say(f"{arg}={n:,} is more than this source has; using all {len(y):,}")
     it = _balanced_prefix(y_train, train_size, len(classes))
     ie = _balanced_prefix(y_test, test_size, len(classes))
-    x_train, y_train, x_test, y_test = x_train[it], y_train[it], x_test[ie], y_test[ie]
     mean, std = (CIFAR10_MEAN, CIFAR10_STD) if is_cifar else (FASHION_MEAN, FASHION_STD)
-    if cifar_shaped:
-        pad = ((0, 0), (2, 2), (2, 2))  # 28 -> 32 with background (0) pixels
-        x_train, x_test = np.pad(x_train, pad), np.pad(x_test, pad)
-    train, test = _to_dataset(x_train, y_train, mean, std), _to_dataset(x_test, y_test, mean, std)
-    if cifar_shaped:  # grey -> 3 identical channels, after normalising (3x less arithmetic)
-        train, test = (TensorDataset(d.tensors[0].expand(-1, 3, -1, -1).contiguous(), d.tensors[1])
-                       for d in (train, test))
-        mean, std = mean * 3, std * 3
-
-    what = ("CIFAR-10" if is_cifar else "Fashion-MNIST made CIFAR-shaped (3x32x32, offline "
-            "stand-in for CIFAR-10)" if cifar_shaped else "Fashion-MNIST")
+    train = _to_dataset(x_train[it], y_train[it], mean, std)
+    test = _to_dataset(x_test[ie], y_test[ie], mean, std)
     kind = "shipped subset" if source == "shipped" else "full set"
     prefix = ", class-balanced prefix" if train_size is not None or test_size is not None else ""
-    description = f"{what}, {kind} ({len(train):,} train / {len(test):,} test{prefix}) {origin}"
-    bundle = DatasetBundle("cifar10" if is_cifar else "fashion_mnist", source, train, test,
-                           list(classes), tuple(mean), tuple(std), description)
+    description = (f"{'CIFAR-10' if is_cifar else 'Fashion-MNIST'}, {kind} ({len(train):,} train / "
+                   f"{len(test):,} test{prefix}) {origin}")
+    bundle = DatasetBundle(key, source, train, test, list(classes), tuple(mean), tuple(std), description)
     if verbose:
         print(f"data: {bundle.description}")
     return bundle
@@ -347,7 +341,7 @@ def load_dataset(name: str = "fashion_mnist", *, full: bool = False,
 # ----------------------------------------------------------------------------- loaders
 
 class SeededSampler(Sampler[int]):
-    """Chapter 07: a shuffling sampler whose order is a pure function of (seed + epoch).
+    """A shuffling sampler whose order is a pure function of (seed + epoch).
 
     Like DistributedSampler: set_epoch(e) selects epoch e's order, so a run resumed at epoch e
     sees exactly the batches the uninterrupted run would have seen. Unlike it, forgetting
@@ -391,7 +385,7 @@ def make_loader(dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0
 def synthetic_batches(n_batches: int, batch_size: int, shape=(3, 32, 32), num_classes: int = 10,
                       device="cpu", dtype=torch.float32,
                       seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Chapter 00: random (x, y) batches made directly on `device`, for throughput measurements.
+    """Random (x, y) batches made directly on `device`, for throughput measurements.
 
     No PIL and no host-to-device copies (torchvision's FakeData tops out near 1.5k img/s on a
     CPU), so the numbers measure the model, not the input pipeline. Cycle a few batches for long

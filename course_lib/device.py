@@ -1,19 +1,26 @@
 """What the hardware can do, and which precision to train in on it.
 
-Chapter 00 introduces everything here. The one rule worth remembering: decide bf16 by the
-GPU's compute capability (>= 8.0, Ampere and newer), never by
-`torch.cuda.is_bf16_supported()` with its default `including_emulation=True`, which says
-True on a Colab T4 where bf16 is emulated and slower than fp32.
+Chapter 00 introduces everything here. The one rule worth remembering: decide bf16 by what
+the hardware computes natively: a CUDA compute capability >= 8.0 (Ampere and newer), or a
+CPU with AMX-BF16 / AVX512-BF16 instructions. Never by `torch.cuda.is_bf16_supported()`
+with its default `including_emulation=True`, which says True on a Colab T4 where bf16 is
+emulated and slower than fp32.
 
     python -m course_lib.device      # prints the hardware report
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import re
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
+
+__all__ = ["PrecisionError", "Recommendation", "pick_device", "tensor_core_generation", "cpu_bf16_flags",
+           "has_native_bf16", "recommend_precision", "hardware_report", "tf32"]
 
 # Tensor Core generations by compute capability (major, minor). Before Volta there are none.
 _TENSOR_CORES = [
@@ -24,10 +31,40 @@ _TENSOR_CORES = [
     ((7, 5), "Turing (2nd gen: fp16 only)"),
     ((7, 0), "Volta (1st gen: fp16 only)"),
 ]
+# The CPU instruction sets that compute in bf16 natively. avx512_fp16 and amx_fp16 are fp16
+# instructions: they say nothing about bf16.
+CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+# Dense peak TFLOP/s from the vendors' datasheets (sparse figures halved); None = no Tensor
+# Core path for that dtype on that GPU. Sources (public):
+#   V100  https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf
+#   T4    https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/t4-tensor-core-datasheet-951643.pdf
+#   A10   https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a10/pdf/a10-datasheet.pdf
+#   L4    https://resources.nvidia.com/en-us-data-center-overview/l4-gpu-datasheet
+#   A100  https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf
+#   H100/H200  https://www.nvidia.com/en-us/data-center/h100/ and https://www.nvidia.com/en-us/data-center/h200/
+PEAK_TFLOPS: dict[str, dict[str, float | None]] = {
+    "V100 SXM2": {"fp32": 15.7, "tf32": None, "fp16": 125.0, "bf16": None},
+    "V100 PCIe": {"fp32": 14.0, "tf32": None, "fp16": 112.0, "bf16": None},
+    "T4": {"fp32": 8.1, "tf32": None, "fp16": 65.0, "bf16": None},
+    "A10": {"fp32": 31.2, "tf32": 62.5, "fp16": 125.0, "bf16": 125.0},
+    "L4": {"fp32": 30.3, "tf32": 60.0, "fp16": 121.0, "bf16": 121.0},
+    "A100": {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0},
+    "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "fp16": 756.0, "bf16": 756.0},
+    "H100 SXM": {"fp32": 66.9, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
+    "H200": {"fp32": 66.9, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
+}
+# How torch.cuda.get_device_name() spells them. Order matters: the first match wins, and a
+# name we do not recognise (H100 NVL, A10G, RTX cards ...) gets None, never a guess.
+_GPU_PATTERNS = [
+    ("H200", r"H200"), ("H100 PCIe", r"H100.*PCIe"), ("H100 SXM", r"H100.*(HBM3|SXM)"),
+    ("A100", r"A100"), ("A10", r"\bA10$"), ("L4", r"\bL4$"), ("T4", r"\bT4$"),
+    ("V100 SXM2", r"V100.*SXM2"), ("V100 PCIe", r"V100.*PCIE"),
+]
 
 
 class PrecisionError(ValueError):
-    """A precision was requested that this hardware cannot run natively (chapter 00)."""
+    """Chapter 00: a precision was requested that this hardware cannot run natively."""
 
 
 @dataclass(frozen=True)
@@ -58,27 +95,30 @@ def tensor_core_generation(capability: tuple[int, int] | None) -> str | None:
     """Chapter 00: the Tensor Core generation of a CUDA compute capability, None if it has none."""
     if capability is None:
         return None
-    for cc, name in _TENSOR_CORES:
-        if tuple(capability) >= cc:
-            return name
-    return None
+    return next((name for cc, name in _TENSOR_CORES if tuple(capability) >= cc), None)
 
 
 def cuda_capability(device: torch.device | str | None = None) -> tuple[int, int] | None:
-    """Chapter 00: (major, minor) of a CUDA device, None without CUDA."""
+    """(major, minor) of a CUDA device, None without CUDA."""
     if not torch.cuda.is_available():
         return None
     return tuple(torch.cuda.get_device_capability(device))  # type: ignore[return-value]
 
 
-def cpu_bf16_flags() -> list[str]:
-    """Chapter 00: the CPU's native bf16 instruction sets (AMX, AVX512-BF16), read from /proc/cpuinfo."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:  # not Linux: we cannot tell, and say so rather than guess
-        return []
-    return sorted({f for f in flags if f in ("amx_bf16", "avx512_bf16", "amx_fp16", "avx512_fp16")})
+def cpu_bf16_flags(cpuinfo: str | None = None) -> list[str]:
+    """Chapters 01, 02: the CPU's native bf16 instruction sets (AMX-BF16, AVX512-BF16).
+
+    Read from /proc/cpuinfo (or the `cpuinfo` text given, for tests). Off Linux we cannot
+    tell, and say so by returning [] rather than guessing.
+    """
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return []
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return sorted(set(flags) & set(CPU_BF16_FLAGS))
 
 
 def has_native_bf16(device: torch.device | str | None = None, capability: tuple[int, int] | None = None) -> bool:
@@ -86,8 +126,8 @@ def has_native_bf16(device: torch.device | str | None = None, capability: tuple[
 
     CUDA: compute capability >= 8.0. We deliberately do not trust
     torch.cuda.is_bf16_supported(), whose default includes emulation (True on a T4).
-    CPU: the AMX or AVX512-BF16 instruction sets. Without them CPU bf16 autocast still works
-    but is several times slower than fp32.
+    CPU: the AMX-BF16 or AVX512-BF16 instruction sets; without them CPU bf16 autocast still
+    works but is converted in software and usually slower than fp32.
     """
     if capability is not None:
         return tuple(capability) >= (8, 0)
@@ -103,25 +143,27 @@ def has_native_bf16(device: torch.device | str | None = None, capability: tuple[
 
 def recommend_precision(device: torch.device | str | None = None,
                         capability: tuple[int, int] | None = None) -> Recommendation:
-    """Chapter 00: the course's precision policy.
+    """Chapter 00: the course's precision policy, the one rule behind precision="auto".
 
     - CUDA, capability >= 8.0 (A100, L4, H100, RTX 30xx/40xx): bf16 autocast, no GradScaler.
     - CUDA, 7.0 <= capability < 8.0 (V100, T4, RTX 20xx): fp16 autocast + GradScaler.
-    - CUDA older than Volta: fp32 (no Tensor Cores, fp16 would not be faster).
-    - CPU: bf16 autocast works everywhere, but is fast only with AMX/AVX512-BF16; we say so.
+    - CUDA older than Volta: fp32 (no Tensor Cores: mixed precision gains little there).
+    - CPU: bf16 only with AMX-BF16 / AVX512-BF16, otherwise fp32 (emulated bf16 is slower).
     Pass `capability` to ask about a GPU you do not have (exercise 00 does).
     """
     if capability is None:
         dev = torch.device(device) if device is not None else pick_device()
         if dev.type == "cpu":
             flags = cpu_bf16_flags()
-            warning = "" if flags else "this CPU has no AMX/AVX512-BF16: bf16 autocast will be slower than fp32"
-            return Recommendation("bf16", False, "CPU autocast supports bf16; it keeps fp32's range, so no scaler",
-                                  warning or f"even with {', '.join(flags)}, small models may run faster in fp32 on CPU")
+            if flags:
+                return Recommendation("bf16", False, f"this CPU computes bf16 natively ({', '.join(flags)}); "
+                                                     "bf16 keeps fp32's range, so no scaler",
+                                      "small models can still be faster in fp32 on a CPU: measure")
+            return Recommendation("fp32", False, "this CPU has no AMX-BF16/AVX512-BF16: bf16 autocast would be "
+                                                 "converted in software and slower than fp32")
         if dev.type == "mps":
             return Recommendation("fp16", True, "Apple GPUs run fp16 fast; fp16 needs loss scaling",
-                                  "MPS support for autocast and GradScaler depends on the torch version; "
-                                  "the course is tested on CUDA and CPU")
+                                  "the course is tested on CUDA and CPU, not on MPS")
         capability = cuda_capability(dev)
     cc = tuple(capability)  # type: ignore[arg-type]
     if cc >= (8, 0):
@@ -129,11 +171,12 @@ def recommend_precision(device: torch.device | str | None = None,
     if cc >= (7, 0):
         return Recommendation("fp16", True, f"sm_{cc[0]}{cc[1]} has fp16 Tensor Cores but no native bf16 "
                                             "(bf16 would be emulated and slow); fp16 needs loss scaling")
-    return Recommendation("fp32", False, f"sm_{cc[0]}{cc[1]} has no Tensor Cores: fp16 would not be faster")
+    return Recommendation("fp32", False, f"sm_{cc[0]}{cc[1]} has no Tensor Cores: fp16 gains little there "
+                                         "(P100 runs it at 2x fp32, other Pascal cards at 1/64)")
 
 
 def check_precision(precision: str, device: torch.device | str) -> None:
-    """Chapter 00: raise a PrecisionError that says what to do if `precision` cannot run natively."""
+    """Raise a PrecisionError that says what to do if `precision` cannot run natively."""
     if precision not in ("fp32", "bf16", "fp16"):
         raise PrecisionError(f"unknown precision {precision!r}: use 'fp32', 'bf16', 'fp16' or 'auto'")
     dev = torch.device(device)
@@ -153,24 +196,49 @@ def hardware_report(device: torch.device | str | None = None) -> str:
         cc = cuda_capability(dev)
         props = torch.cuda.get_device_properties(dev)
         lines += [
-            f"device: cuda — {props.name}, sm_{cc[0]}{cc[1]}, {props.total_memory / 2**30:.1f} GiB, "
+            f"device: cuda, {props.name}, sm_{cc[0]}{cc[1]}, {props.total_memory / 2**30:.1f} GiB, "
             f"{props.multi_processor_count} SMs, CUDA {torch.version.cuda or torch.version.hip}",
             f"Tensor Cores: {tensor_core_generation(cc) or 'none'}",
             f"native bf16: {has_native_bf16(dev)}  (torch.cuda.is_bf16_supported() says "
             f"{torch.cuda.is_bf16_supported()}: it counts emulation)",
-            f"fp32 matmul precision: {torch.get_float32_matmul_precision()!r} ('highest' = no TF32; "
-            "'high' lets matmuls use TF32 on Ampere+)",
+            f"fp32 matmul precision: {torch.get_float32_matmul_precision()!r} "
+            "('highest' = no TF32; 'high' lets matmuls use TF32 on Ampere+)",
         ]
     else:
         flags = cpu_bf16_flags()
         lines += [
-            f"device: {dev.type} — {platform.processor() or 'CPU'}, {os.cpu_count()} logical cores, "
+            f"device: {dev.type}, {platform.processor() or 'CPU'}, {os.cpu_count()} logical cores, "
             f"torch threads {torch.get_num_threads()}, CPU capability {torch.backends.cpu.get_cpu_capability()}",
             "Tensor Cores: none (no CUDA GPU)",
             f"native bf16 instructions: {', '.join(flags) if flags else 'none'}",
         ]
     lines.append(f"recommended precision: {recommend_precision(dev)}")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- peaks and TF32
+
+def peak_tflops(name: str, dtype: str) -> float | None:
+    """Datasheet dense peak of GPU `name` for 'fp32', 'tf32', 'fp16' or 'bf16'; None = unknown."""
+    key = next((k for k, pattern in _GPU_PATTERNS if re.search(pattern, name, flags=re.I)), None)
+    return PEAK_TFLOPS[key].get(dtype) if key else None
+
+
+@contextlib.contextmanager
+def tf32(enabled: bool) -> Iterator[None]:
+    """Chapter 01: allow (or forbid) TF32 in fp32 matmuls and cuDNN convolutions, then restore.
+
+    PyTorch's defaults differ: fp32 matmuls do NOT use TF32 ('highest'), cuDNN convolutions DO.
+    "Strict FP32" therefore needs both switched off.
+    """
+    old = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old[0])
+        torch.backends.cudnn.allow_tf32 = old[1]
 
 
 if __name__ == "__main__":

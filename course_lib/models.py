@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+__all__ = ["SimpleCNN", "MLP"]
+
 
 class SimpleCNN(nn.Module):
     """Chapter 00: the CNN of seed article 000, corrected.
@@ -35,7 +37,7 @@ class SimpleCNN(nn.Module):
 
 
 class MLP(nn.Module):
-    """Chapter 00: a stack of Linear+ReLU layers like the PyTorch AMP recipe's network.
+    """Chapter 02: a stack of Linear+ReLU layers like the PyTorch AMP recipe's network.
 
     Widths that are multiples of 8 let fp16/bf16 matmuls use Tensor Cores efficiently.
     """
@@ -65,7 +67,7 @@ def _torchvision_models():
 
 
 def small_resnet(in_channels: int = 3, num_classes: int = 10) -> nn.Module:
-    """Chapter 06: torchvision's ResNet-18 adapted to 28-32 px images.
+    """Torchvision's ResNet-18 adapted to 28-32 px images.
 
     A 3x3 stride-1 stem without max-pool (the usual CIFAR change): the ImageNet stem would
     shrink a 32 px image to 8 px before the first residual block.
@@ -77,12 +79,12 @@ def small_resnet(in_channels: int = 3, num_classes: int = 10) -> nn.Module:
 
 
 def resnet50(num_classes: int = 1000) -> nn.Module:
-    """Chapter 09: torchvision's ResNet-50, the model of NVIDIA's published AMP figures (224 px)."""
+    """Torchvision's ResNet-50, the model of NVIDIA's published AMP figures (224 px)."""
     return _torchvision_models().resnet50(num_classes=num_classes)
 
 
 def build_model(name: str, **kwargs) -> nn.Module:
-    """Chapter 00: build a model by name: simplecnn, mlp, small_resnet, resnet50."""
+    """Build a model by name: simplecnn, mlp, small_resnet, resnet50."""
     factories = {"simplecnn": SimpleCNN, "mlp": MLP, "small_resnet": small_resnet, "resnet50": resnet50}
     if name not in factories:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(factories)}")

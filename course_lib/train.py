@@ -31,6 +31,8 @@ from tqdm.auto import tqdm
 
 from .device import check_precision, pick_device, recommend_precision
 
+__all__ = ["TrainConfig", "History", "Trainer", "train"]
+
 AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -74,15 +76,14 @@ class History:
         last = f"{self.loss[-1]:.4f}" if self.loss else "n/a"
         acc = f", eval accuracy {self.eval[-1]['accuracy']:.3f}" if self.eval else ""
         return (f"{self.precision} on {self.device}: {len(self.step)} steps in {self.seconds:.1f} s, "
-                f"last loss {last}{acc}, skipped steps {self.skipped_steps}, final scale {self.scale[-1] if self.scale else 'n/a'}")
+                f"last loss {last}{acc}, skipped steps {self.skipped_steps}, "
+                f"final scale {self.scale[-1] if self.scale else 'n/a'}")
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """Chapter 00: turn 'auto' into a concrete precision and refuse what the device cannot do."""
+    """Turn 'auto' into recommend_precision's choice (the one policy) and refuse what the device cannot do."""
     if precision == "auto":
         precision = recommend_precision(device).precision
-        if device.type == "cpu":
-            precision = "fp32"  # bf16 autocast is a GPU speed-up; on most CPUs it is slower (chapter 00)
     check_precision(precision, device)
     return precision
 
@@ -121,7 +122,7 @@ class Trainer:
         return x, y.to(self.device, non_blocking=True)
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Chapter 04: one optimizer step over `micro_batches`; returns True if it was skipped.
+        """One optimizer step over `micro_batches`; returns True if it was skipped.
 
         The loss of each micro-batch is divided by their number, so that with equal-sized
         micro-batches and a mean-reduced loss the summed gradient equals the big batch's.
@@ -154,7 +155,10 @@ class Trainer:
             self.scheduler.step()  # a skipped step must not advance the schedule (pytorch#44511)
         self.step_count += 1
         h = self.history
-        h.step.append(self.step_count); h.scale.append(scale); h.skipped.append(skipped); h.lr.append(lr)
+        h.step.append(self.step_count)
+        h.scale.append(scale)
+        h.skipped.append(skipped)
+        h.lr.append(lr)
         self._pending.append((total, grad_norm))
         if self.step_count % max(1, self.cfg.log_every) == 0:
             self._flush()
@@ -164,7 +168,7 @@ class Trainer:
         # One device->host copy for many steps, instead of a sync per step.
         if not self._pending:
             return
-        losses = torch.stack([l for l, _ in self._pending]).tolist()
+        losses = torch.stack([loss for loss, _ in self._pending]).tolist()
         self.history.loss += losses
         norms = [g for _, g in self._pending if g is not None]
         if norms:
@@ -173,7 +177,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, loader: Iterable) -> dict:
-        """Chapter 00: mean loss and accuracy over `loader`, under the same autocast as training."""
+        """Mean loss and accuracy over `loader`, under the same autocast as training."""
         self.model.eval()
         loss_sum, correct, count = torch.zeros((), device=self.device), torch.zeros((), device=self.device), 0
         for x, y in loader:
@@ -226,7 +230,7 @@ class Trainer:
             self.save_checkpoint(cfg.checkpoint_path)
         return self.history
 
-    # -- checkpoints (chapter 03: the scaler's state is part of the training state) ------------
+    # -- checkpoints: the scaler's state is part of the training state ------------------------
     def state_dict(self) -> dict:
         self._flush()
         return {
@@ -255,7 +259,7 @@ class Trainer:
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
-        """Chapter 03: save everything needed to continue bit-identically (written atomically)."""
+        """Save everything needed to continue bit-identically (written atomically)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
@@ -263,7 +267,7 @@ class Trainer:
         os.replace(tmp, path)  # a crash mid-write never leaves a truncated checkpoint behind
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Chapter 03: restore a checkpoint written by save_checkpoint."""
+        """Restore a checkpoint written by save_checkpoint."""
         self.load_state_dict(torch.load(path, map_location=self.device, weights_only=False))
 
 

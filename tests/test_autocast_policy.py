@@ -1,4 +1,4 @@
-"""course_lib.autocast_policy (chapter 02) and the chapter 02 checks.
+"""course_lib.chapters.autocast_policy (chapter 02) and the chapter 02 checks.
 
 The probe's *classifications* are tested where torch has kept them stable for years
 (matmul-like ops go down, losses go up, relu/add/batch_norm are unlisted); everything else is
@@ -12,13 +12,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course_lib import autocast_policy as ap
-from course_lib.grading import CheckFailure, get_check
+from course_lib.chapters import autocast_dtypes as ad
+from course_lib.chapters import autocast_policy as ap
 from course_lib.models import SimpleCNN
+from course_lib.tooling.grading import CheckFailure, get_check
 
 LOW = [torch.bfloat16, torch.float16]
 FAKE_CUDA = ap.fake_cuda_available()
 
+
+
+def policy_of(rows):
+    return {r.op: r.policy for r in rows}
 
 @pytest.fixture(scope="module", params=LOW, ids=["bf16", "fp16"])
 def cpu_rows(request):
@@ -33,7 +38,7 @@ def fake_cuda_rows():
 
 
 def test_matmul_family_runs_in_low_precision_on_cpu(cpu_rows):
-    policy = ap.policy_map(cpu_rows)
+    policy = policy_of(cpu_rows)
     for op in ("matmul", "mm", "linear", "conv1d", "conv2d", "bmm", "addmm", "baddbmm"):
         assert policy[op] == "lower_precision", op
     low = cpu_rows[0].dtype
@@ -97,7 +102,7 @@ def test_cpu_fp16_shares_the_bf16_lists():
 
 
 def test_fake_cuda_probe_shows_the_cuda_policy(fake_cuda_rows):
-    policy = ap.policy_map(fake_cuda_rows)
+    policy = policy_of(fake_cuda_rows)
     assert policy["matmul"] == policy["linear"] == "lower_precision"
     assert policy["softmax"] == policy["layer_norm"] == policy["mse_loss"] == "fp32"
     assert policy["binary_cross_entropy"] == "banned"
@@ -116,7 +121,7 @@ def test_fake_cuda_probe_leaves_autocast_state_as_it_was(fake_cuda_rows):
 @pytest.mark.parametrize("dtype", LOW, ids=["bf16", "fp16"])
 def test_real_cuda_probe_matches_the_fake_one(dtype):
     real = ap.probe_policy("cuda", dtype)
-    assert ap.policy_map(real)["binary_cross_entropy"] == "banned"
+    assert policy_of(real)["binary_cross_entropy"] == "banned"
     if FAKE_CUDA:
         assert ap.compare_policies(real, ap.probe_policy("cuda", dtype, fake=True)) == []
 
@@ -138,14 +143,14 @@ def test_params_grads_and_optimizer_state_stay_fp32_and_in_place():
     assert out.dtype == torch.bfloat16 and loss.dtype == torch.float32
     loss.backward()
     opt.step()
-    report = ap.dtype_report(model, opt)
+    report = ad.dtype_report(model, opt)
     assert set(report["params"]) == set(report["grads"]) == set(report["optimizer state"]) == {"fp32"}
     assert [p.data_ptr() for p in model.parameters()] == ptrs
 
 
 def test_saved_activations_are_bf16_and_about_half_the_bytes():
     torch.manual_seed(0)
-    mem = ap.memory_comparison(SimpleCNN(in_channels=1), torch.randn(16, 1, 16, 16), torch.randint(0, 10, (16,)),
+    mem = ad.memory_comparison(SimpleCNN(in_channels=1), torch.randn(16, 1, 16, 16), torch.randint(0, 10, (16,)),
                                dtype=torch.bfloat16)
     assert mem["fp32"]["peak"] is None  # no allocator statistics off CUDA
     by_dtype = mem["bf16"]["saved_by_dtype"]
@@ -156,11 +161,11 @@ def test_saved_activations_are_bf16_and_about_half_the_bytes():
 
 def test_module_dtypes_shows_where_autocast_casts():
     model = nn.Sequential(nn.ReLU(), nn.Linear(8, 8), nn.ReflectionPad1d(1), nn.ReLU())
-    rows = ap.module_dtypes(model, torch.randn(2, 3, 8), device_type="cpu", dtype=torch.bfloat16)
+    rows = ad.module_dtypes(model, torch.randn(2, 3, 8), device_type="cpu", dtype=torch.bfloat16)
     assert [r.name for r in rows] == ["0", "1", "2", "3"]
     assert (rows[0].in_dtype, rows[0].out_dtype) == (torch.float32, torch.float32)
     assert (rows[1].in_dtype, rows[1].out_dtype) == (torch.float32, torch.bfloat16)
-    assert "cast down" in ap.format_module_dtypes(rows)
+    assert "cast down" in ad.format_module_dtypes(rows)
     assert not model[0]._forward_hooks  # hooks removed
 
 
@@ -218,7 +223,8 @@ def test_predict_dtype_accepts_the_reference_and_rejects_wrong_rules():
     _fails("02.predict_dtype", lambda op, d, dt, ins: dt)  # "everything runs in 16 bits"
     _fails("02.predict_dtype", lambda op, d, dt, ins: ins[0])  # "autocast changes nothing"
     # "losses are fp32, the rest follows the input": misses the lower-precision list
-    _fails("02.predict_dtype", lambda op, d, dt, ins: torch.float32 if op == "mse_loss" else predict_ref("add", d, dt, ins))
+    _fails("02.predict_dtype",
+           lambda op, d, dt, ins: torch.float32 if op == "mse_loss" else predict_ref("add", d, dt, ins))
     if FAKE_CUDA or torch.cuda.is_available():  # the CUDA lists applied on the CPU too
         _fails("02.predict_dtype", lambda op, d, dt, ins: predict_ref(op, "cuda", dt, ins))
 
@@ -260,8 +266,11 @@ def test_make_sqdist_accepts_the_reference_and_rejects_unsafe_versions():
 
 def islands_ref(model, x, device_type, dtype):
     found = []
-    hooks = [m.register_forward_hook(lambda mod, args, out, n=n: found.append(n)
-                                     if args[0].dtype in (torch.float16, torch.bfloat16) and out.dtype == torch.float32 else None)
+    def hook(mod, args, out, n):
+        if args[0].dtype in (torch.float16, torch.bfloat16) and out.dtype == torch.float32:
+            found.append(n)
+
+    hooks = [m.register_forward_hook(lambda mod, args, out, n=n: hook(mod, args, out, n))
              for n, m in model.named_modules() if not list(m.children())]
     with torch.autocast(device_type, dtype=dtype):
         model(x)
@@ -274,7 +283,7 @@ def test_find_fp32_islands_accepts_the_reference_and_rejects_wrong_answers():
     _passes("02.find_fp32_islands", islands_ref)
 
     def every_fp32_output(model, x, device_type, dtype):  # forgets to look at the input dtype
-        rows = ap.module_dtypes(model, x, device_type=device_type, dtype=dtype)
+        rows = ad.module_dtypes(model, x, device_type=device_type, dtype=dtype)
         return [r.name for r in rows if r.out_dtype == torch.float32]
 
     def by_type(model, x, device_type, dtype):  # the CUDA list, by module type

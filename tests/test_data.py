@@ -155,19 +155,18 @@ def test_downloads_allowed_off_in_ci_offline_mode_and_pytest(monkeypatch):
 def test_no_download_attempted_under_pytest(tmp_path, monkeypatch, no_full_set, no_downloads):
     monkeypatch.delenv("CI", raising=False)  # pytest alone must keep the loader offline
     monkeypatch.delenv("COURSE_OFFLINE", raising=False)
-    full = data.load_dataset(full=True, root=tmp_path, train_size=100, test_size=100)
-    cifar = data.load_dataset("cifar10", root=tmp_path, train_size=100, test_size=100)
-    assert full.source == cifar.source == "shipped"
+    for kwargs in ({"full": True}, {"name": "cifar10"}):
+        with pytest.raises(data.DatasetUnavailable, match="downloads are off"):
+            data.load_dataset(root=tmp_path, train_size=100, test_size=100, **kwargs)
     assert list(tmp_path.iterdir()) == []  # nothing was even created in the cache folder
 
 
-def test_full_without_full_set_falls_back_to_subset_with_notice(tmp_path, capsys, no_full_set,
-                                                                no_downloads):
-    b = data.load_dataset(full=True, root=tmp_path, train_size=20, test_size=20)
-    out = capsys.readouterr().out
-    assert b.source == "shipped"
-    assert "data: note:" in out and "apt-get install dataset-fashion-mnist" in out
-    assert "allow_download=True" in out
+def test_full_set_unavailable_is_an_error_that_says_what_to_do(tmp_path, no_full_set, no_downloads):
+    with pytest.raises(data.DatasetUnavailable) as e:
+        data.load_dataset(full=True, root=tmp_path, train_size=20, test_size=20)
+    msg = str(e.value)
+    assert "apt-get install dataset-fashion-mnist" in msg and "allow_download=True" in msg
+    assert "load_dataset() without full=True" in msg
 
 
 @pytest.mark.skipif(not DEBIAN_PRESENT, reason="needs the full set: apt-get install dataset-fashion-mnist")
@@ -178,17 +177,12 @@ def test_full_uses_debian_package_when_installed(capsys, no_downloads):
     assert "full set (60,000 train / 100 test" in capsys.readouterr().out
 
 
-def test_cifar10_offline_fallback_is_fashion_mnist_in_3x32x32(tmp_path, capsys, no_downloads):
-    b = data.load_dataset("cifar10", root=tmp_path, train_size=200, test_size=100)
-    out = capsys.readouterr().out
-    assert "data: note:" in out and "3x32x32" in out
-    assert (b.name, b.source, b.input_shape) == ("fashion_mnist", "shipped", (3, 32, 32))
-    x = b.train.tensors[0]
-    assert x.shape == (200, 3, 32, 32) and b.test.tensors[0].shape == (100, 3, 32, 32)
-    assert x.is_contiguous() and len(b.mean) == len(b.std) == 3
-    assert torch.equal(x[:, 0], x[:, 2])  # grey repeated to 3 channels
-    background = -0.2860 / 0.3530
-    assert torch.allclose(x[:, :, :2, :], torch.full_like(x[:, :, :2, :], background))  # padding
+def test_cifar10_offline_is_an_error_never_a_substitute(tmp_path, capsys, no_downloads):
+    with pytest.raises(data.DatasetUnavailable) as e:
+        data.load_dataset("cifar10", root=tmp_path, train_size=200, test_size=100)
+    msg = str(e.value)
+    assert "CIFAR-10 is not shipped" in msg and "allow_download=True" in msg and "'fashion_mnist'" in msg
+    assert "data: Fashion-MNIST" not in capsys.readouterr().out  # nothing else was loaded in its place
 
 
 class _FakeCIFAR10:
@@ -200,16 +194,16 @@ class _FakeCIFAR10:
         raise urllib.error.URLError("[Errno -2] Name or service not known")
 
 
-def test_failed_download_falls_back_and_restores_socket_timeout(tmp_path, monkeypatch, capsys):
+def test_failed_download_is_an_error_and_restores_socket_timeout(tmp_path, monkeypatch, capsys):
     fake = types.ModuleType("torchvision")
     fake.datasets = types.SimpleNamespace(CIFAR10=_FakeCIFAR10, FashionMNIST=_FakeCIFAR10)
     monkeypatch.setitem(sys.modules, "torchvision", fake)
     previous = socket.getdefaulttimeout()
-    b = data.load_dataset("cifar10", allow_download=True, root=tmp_path, train_size=10, test_size=10)
+    with pytest.raises(data.DatasetUnavailable, match="allowed, but it failed"):
+        data.load_dataset("cifar10", allow_download=True, root=tmp_path, train_size=10, test_size=10)
     assert _FakeCIFAR10.seen_timeouts[-1] == data.DOWNLOAD_TIMEOUT_S
     assert socket.getdefaulttimeout() == previous
-    assert b.input_shape == (3, 32, 32)
-    assert "download failed" in capsys.readouterr().out
+    assert "torchvision _FakeCIFAR10 failed (URLError" in capsys.readouterr().out
 
 
 class _BrokenTorchvision(importlib.abc.MetaPathFinder):
@@ -227,9 +221,10 @@ def test_broken_torchvision_never_stops_the_learner(how, tmp_path, monkeypatch, 
     else:
         monkeypatch.delitem(sys.modules, "torchvision", raising=False)  # installed but broken
         monkeypatch.setattr(sys, "meta_path", [_BrokenTorchvision(), *sys.meta_path])
-    b = data.load_dataset(full=True, allow_download=True, root=tmp_path, train_size=10, test_size=10)
-    assert b.source == "shipped"
+    with pytest.raises(data.DatasetUnavailable):
+        data.load_dataset(full=True, allow_download=True, root=tmp_path, train_size=10, test_size=10)
     assert f"torchvision is not usable ({how}" in capsys.readouterr().out
+    assert data.load_dataset(train_size=10, test_size=10).source == "shipped"  # the default still works
 
 
 def test_import_needs_no_torchvision():
@@ -265,15 +260,18 @@ def test_train_size_takes_a_balanced_deterministic_prefix():
 
 def test_seeded_sampler_same_seed_and_epoch_same_order():
     a, b = data.SeededSampler(100, seed=3), data.SeededSampler(100, seed=3)
-    a.set_epoch(5); b.set_epoch(5)
+    a.set_epoch(5)
+    b.set_epoch(5)
     order = list(a)
     assert order == list(b) and sorted(order) == list(range(100))
 
 
 def test_seeded_sampler_different_epoch_or_seed_different_order():
     s = data.SeededSampler(100, seed=0)
-    s.set_epoch(0); e0 = list(s)
-    s.set_epoch(1); e1 = list(s)
+    s.set_epoch(0)
+    e0 = list(s)
+    s.set_epoch(1)
+    e1 = list(s)
     assert e0 != e1
     assert list(data.SeededSampler(100, seed=1)) != e0
 

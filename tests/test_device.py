@@ -44,9 +44,52 @@ def test_unknown_precision_is_rejected_with_the_valid_names():
         D.check_precision("fp8", torch.device("cpu"))
 
 
-def test_cpu_recommendation_warns_about_speed():
+CPUINFO = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f {extra}\n"
+
+
+@pytest.mark.parametrize("extra, native", [
+    ("avx512_bf16", ["avx512_bf16"]),
+    ("amx_bf16 amx_tile", ["amx_bf16"]),
+    ("avx512_fp16 amx_fp16", []),  # fp16 instructions are no evidence of bf16 ones
+    ("", []),
+])
+def test_cpu_bf16_flags_count_only_bf16_instruction_sets(extra, native):
+    assert D.cpu_bf16_flags(CPUINFO.format(extra=extra)) == native
+
+
+@pytest.mark.parametrize("flags, precision", [(["avx512_bf16"], "bf16"), ([], "fp32")])
+def test_one_cpu_rule_for_recommendation_trainer_auto_and_hardware_report(monkeypatch, flags, precision):
+    from course_lib.models import MLP
+    from course_lib.train import TrainConfig, Trainer
+
+    monkeypatch.setattr(D, "cpu_bf16_flags", lambda cpuinfo=None: flags)
     rec = D.recommend_precision("cpu")
-    assert rec.precision == "bf16" and not rec.use_grad_scaler and rec.warning
+    assert (rec.precision, rec.use_grad_scaler) == (precision, False)
+    assert D.has_native_bf16("cpu") is bool(flags)
+    model = MLP(in_features=4, hidden=8, depth=1)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      TrainConfig(precision="auto", device="cpu", progress=False))
+    assert trainer.precision == precision
+    assert f"recommended precision: {precision}" in D.hardware_report("cpu")
+
+
+@pytest.mark.parametrize("name, dtype, peak", [
+    ("Tesla T4", "fp16", 65.0), ("Tesla T4", "bf16", None), ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.4), ("NVIDIA H100 PCIe", "tf32", 378.0), ("NVIDIA H200", "fp32", 66.9),
+    ("NVIDIA L4", "fp16", 121.0), ("NVIDIA A10", "bf16", 125.0),
+    ("NVIDIA H100 NVL", "bf16", None), ("NVIDIA A10G", "bf16", None), ("NVIDIA GeForce RTX 4090", "bf16", None),
+])
+def test_peak_table_knows_datasheet_gpus_and_says_unknown_for_the_rest(name, dtype, peak):
+    assert D.peak_tflops(name, dtype) == peak
+
+
+def test_tf32_context_switches_both_flags_and_restores_them():
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    with D.tf32(True):
+        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
+    with D.tf32(False):
+        assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
+    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == before
 
 
 def test_hardware_report_names_torch_version_and_recommendation():

@@ -1,4 +1,4 @@
-"""Tests for course_lib.grading: inline check(), exercise generation and the batch grader.
+"""Tests for course_lib.tooling.grading: inline check(), exercise generation and the batch grader.
 
 Chapter 99 is a fixture chapter (tests/fixtures/checks_ch99.py + 99_fixture.ipynb), so every
 grader behaviour is tested whatever state the real chapters are in; the real solutions/ are
@@ -19,15 +19,27 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib import grading
-from course_lib.grading import CheckFailure, check, exercise_text, generate, grade_folder, grade_notebook, register
+from course_lib.tooling import grading
+from course_lib.tooling.grading import (
+    CheckFailure,
+    check,
+    exercise_text,
+    generate,
+    grade_folder,
+    grade_notebook,
+    register,
+)
 
-ROOT = Path(grading.__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"
 SOLUTION99 = FIXTURES / "99_fixture.ipynb"
 CHECKS99 = FIXTURES / "checks_ch99.py"
 FAST = {"cell_timeout": 5, "total_timeout": 90}
 REAL_SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
+
+
+def test_the_real_chapters_are_found():
+    assert len(REAL_SOLUTIONS) >= 3  # an empty glob would silently skip the real-chapter tests below
 
 
 # --------------------------------------------------------------------------- helpers
@@ -37,8 +49,8 @@ def chapter99():
     """Chapter 99's checks, here and (through the environment) in every grading process."""
     old = os.environ.get("COURSE_EXTRA_CHECKS")
     os.environ["COURSE_EXTRA_CHECKS"] = os.pathsep.join(p for p in (str(CHECKS99), old) if p)
-    import course_lib.checks
-    course_lib.checks.load_file(CHECKS99)
+    import course_lib.tooling.checks
+    course_lib.tooling.checks.load_file(CHECKS99)
     yield
     if old is None:
         os.environ.pop("COURSE_EXTRA_CHECKS", None)
@@ -154,22 +166,23 @@ def test_register_rejects_malformed_checks():
 
 
 def test_check_modules_import_cleanly():
-    import course_lib.checks
-    assert course_lib.checks.errors == {}
+    import course_lib.tooling.checks
+    assert course_lib.tooling.checks.errors == {}
 
 
 # --------------------------------------------------------------------------- generate()
 
 SOLUTION_CELLS = [
     ("markdown", "intro", "# Title"),
-    ("code", "code1", 'import math\n\ndef f(x):\n    """Doc."""\n    ### BEGIN SOLUTION\n    y = x + 1\n    return y\n'
-                      '    ### END SOLUTION\n\nclass A:\n    def g(self):\n        ### BEGIN SOLUTION\n        return 1\n'
-                      '        ### END SOLUTION\n\ncheck("99.add", f)'),
+    ("code", "code1", 'import math\n\ndef f(x):\n    """Doc."""\n    ### BEGIN SOLUTION\n    y = x + 1\n'
+                      '    return y\n    ### END SOLUTION\n\nclass A:\n    def g(self):\n'
+                      '        ### BEGIN SOLUTION\n        return 1\n        ### END SOLUTION\n\ncheck("99.add", f)'),
     ("code", "code2", "### BEGIN SOLUTION\nLIMIT = 3\n### END SOLUTION"),
     ("markdown", "answer", "Why?\n\n<!-- BEGIN SOLUTION -->Because\nof this.<!-- END SOLUTION -->\n\nMore."),
 ]
 EXPECTED = {
-    "code1": 'import math\n\ndef f(x):\n    """Doc."""\n    raise NotImplementedError("Exercise: write your solution here")\n\n'
+    "code1": 'import math\n\ndef f(x):\n    """Doc."""\n'
+             '    raise NotImplementedError("Exercise: write your solution here")\n\n'
              'class A:\n    def g(self):\n        raise NotImplementedError("Exercise: write your solution here")\n\n'
              'check("99.add", f)',
     "code2": 'raise NotImplementedError("Exercise: write your solution here")',
@@ -249,7 +262,8 @@ def test_generate_rejects_unbalanced_code_markers(tmp_path, source):
 
 
 @pytest.mark.parametrize("source", ["<!-- BEGIN SOLUTION -->a", "a<!-- END SOLUTION -->",
-                                    "<!-- BEGIN SOLUTION --><!-- BEGIN SOLUTION -->a<!-- END SOLUTION --><!-- END SOLUTION -->",
+                                    "<!-- BEGIN SOLUTION --><!-- BEGIN SOLUTION -->a"
+                                    "<!-- END SOLUTION --><!-- END SOLUTION -->",
                                     "### BEGIN SOLUTION\nanswer\n### END SOLUTION"])
 def test_generate_rejects_bad_markdown_markers(tmp_path, source):
     make_solution(tmp_path / "sol" / "99_bad.ipynb", [("markdown", "md", source)])
@@ -285,7 +299,7 @@ def graded(chapter99, tmp_path_factory):
     save(deleted, sub / "deleted" / name)
     # Wrong answer, then every way of faking success we can think of without touching files.
     cheat = insert_after(wrong, "ex-clip", "\n".join([
-        "import course_lib.grading as g",
+        "import course_lib.tooling.grading as g",
         "def check(*args, **kwargs):",
         "    print('✅ 99.add — passed (2/2 points)')",
         "    return True",
@@ -404,7 +418,7 @@ def test_run_one_caps_output_and_uses_the_graders_python(chapter99, tmp_path):
     # grow the grader by > 50 MB; dropped past OUTPUT_CAP, its memory stays flat.
     flood = insert_after(solution99(), "ex-add", "for _ in range(500):\n    print('x' * 100_000, flush=True)")
     path, out = save(flood, tmp_path / "99_flood.ipynb"), tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, "-m", "course_lib.grading", "run-one", str(path), "--json", str(out),
+    proc = subprocess.run([sys.executable, "-m", "course_lib.tooling.grading", "run-one", str(path), "--json", str(out),
                            "--cell-timeout", "30"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(out.read_text())
@@ -417,8 +431,9 @@ def test_run_one_caps_output_and_uses_the_graders_python(chapter99, tmp_path):
 def test_cli_grade_writes_gradebook(chapter99, tmp_path):
     # The command line runs the module as __main__: the checks must still be found.
     save("{not json", tmp_path / "subs" / "99_broken.ipynb")
-    proc = subprocess.run([sys.executable, "-m", "course_lib.grading", "grade", str(tmp_path / "subs"),
-                           "--out", str(tmp_path / "gb"), "--cell-timeout", "5"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "course_lib.tooling.grading", "grade", str(tmp_path / "subs"),
+                           "--out", str(tmp_path / "gb"), "--cell-timeout", "5"],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((tmp_path / "gb" / "gradebook.json").read_text())
     assert [(r["student"], r["exercise"], r["status"]) for r in rows] == [

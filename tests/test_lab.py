@@ -29,12 +29,14 @@ def test_make_lab_starts_jupyterlab_and_serves_the_course(tmp_path):
         deadline, status = time.monotonic() + 90, None
         while time.monotonic() < deadline and proc.poll() is None:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/contents/notebooks?token={token}", timeout=5) as r:
+                url = f"http://127.0.0.1:{port}/api/contents/notebooks?token={token}"
+                with urllib.request.urlopen(url, timeout=5) as r:
                     status = json.load(r)
                 break
             except OSError:
                 time.sleep(1)
-        assert status is not None, f"JupyterLab did not answer; output:\n{proc.stdout.read1().decode() if proc.poll() is not None else ''}"
+        output = proc.stdout.read1().decode() if proc.poll() is not None else ""
+        assert status is not None, f"JupyterLab did not answer; output:\n{output}"
         names = {item["name"] for item in status["content"]}
         assert "00_setup.ipynb" in names
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/lab?token={token}", timeout=10) as r:

@@ -6,8 +6,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib import colab
-from course_lib.nbtools import keeps_output
+from course_lib.tooling import colab
+from course_lib.tooling.nbtools import keeps_output
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL = colab.notebook_paths(ROOT)
@@ -32,6 +32,22 @@ def test_badge_links_to_this_notebook_on_colab(path):
     cfg = colab.read_config(ROOT)
     assert f"github/{cfg['repo']}/blob/{cfg['ref']}/{path.relative_to(ROOT).as_posix()})" in nb.cells[0].source
     assert nb.metadata["colab"]["gpuType"] == "T4" and nb.metadata["accelerator"] == "GPU"
+
+
+def test_colab_setup_cell_is_short_collapsed_and_explained_in_markdown():
+    cfg = colab.read_config(ROOT)
+    src = colab.setup_source(cfg)
+    assert src.startswith("# @title")  # Colab shows it collapsed, as a form
+    statements = [n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.stmt)]
+    assert len(statements) <= 6, f"{len(statements)} statements of logic; keep the setup cell to 6"
+    badge = colab.badge_source("notebooks/00_setup.ipynb", cfg)
+    assert "without touching Colab's own torch" in badge and "running it again does nothing new" in badge
+
+
+def test_stamping_twice_changes_nothing():
+    nb = nbformat.read(CHAPTERS[0], as_version=4)
+    colab.stamp_notebook(nb, "notebooks/00_setup.ipynb")
+    assert colab.stamp_notebook(nb, "notebooks/00_setup.ipynb") is False
 
 
 def test_colab_setup_cell_never_installs_or_pins_torch():
@@ -62,7 +78,7 @@ def test_chapter_has_objectives_questions_summary_exercises_and_reading(path):
 
 def _names(source: str, ctx) -> set[str]:
     try:
-        tree = ast.parse("\n".join(l for l in source.splitlines() if not l.lstrip().startswith(("%", "!"))))
+        tree = ast.parse("\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!"))))
     except SyntaxError:
         return set()
     out = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ctx)}

@@ -7,7 +7,7 @@ from torch.utils.data import TensorDataset
 
 from course_lib.data import make_loader
 from course_lib.models import MLP
-from course_lib.train import Trainer, TrainConfig, train
+from course_lib.train import TrainConfig, Trainer, train
 
 
 def data(n=64, seed=0):
@@ -82,7 +82,8 @@ def test_accumulating_four_micro_batches_equals_one_four_times_larger_batch():
 def test_clipping_sees_unscaled_gradients_under_fp16():
     ref, amp = make("fp32", clip_grad_norm=1e9), make("fp16", clip_grad_norm=1e9)
     batch = data(32)[:]
-    ref.train_step([batch]); amp.train_step([batch])
+    ref.train_step([batch])
+    amp.train_step([batch])
     # If clip_grad_norm_ ran before unscale_, the fp16 norm would be ~65536x larger.
     assert amp.history.grad_norm[0] == pytest.approx(ref.history.grad_norm[0], rel=0.05)
 
@@ -132,5 +133,6 @@ def test_fit_returns_history_with_eval_and_checkpoint(tmp_path):
     assert "fp32 on cpu: 8 steps" in hist.summary()
 
 
-def test_auto_precision_on_cpu_is_fp32():
-    assert make("auto").precision == "fp32"
+def test_auto_precision_is_the_device_policy():
+    from course_lib.device import recommend_precision
+    assert make("auto").precision == recommend_precision("cpu").precision

@@ -1,11 +1,11 @@
-"""course_lib.widgets (chapter 01): the bit explorer's pure logic, its static fallbacks, the live widget."""
+"""course_lib.chapters.widgets (chapter 01): the bit explorer's pure logic, its static fallbacks, the live widget."""
 import math
 import sys
 
 import pytest
 
-from course_lib import widgets as W
-from course_lib.formats import decompose
+from course_lib.chapters import widgets as W
+from course_lib.chapters.formats import decompose
 
 
 @pytest.mark.parametrize("text, want", [("0.1", 0.1), (" 1e-8 ", 1e-8), ("2**-24", 2.0**-24), ("2^-24", 2.0**-24),

@@ -3,8 +3,8 @@
 Outputs are stripped in git except in cells tagged `nbval-check-output`, whose stored output
 is the expected answer that `make test` compares against (deterministic tables, bit patterns).
 
-    python -m course_lib.nbtools refresh notebooks/01_formats.ipynb   # re-run, keep checked outputs
-    python -m course_lib.nbtools strip notebooks/*.ipynb              # drop every other output
+    python -m course_lib.tooling.nbtools refresh notebooks/01_formats.ipynb   # re-run, keep checked outputs
+    python -m course_lib.tooling.nbtools strip notebooks/*.ipynb              # drop every other output
 """
 from __future__ import annotations
 
@@ -15,16 +15,18 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
+__all__ = ["keeps_output", "strip", "refresh"]
+
 CHECK_TAG = "nbval-check-output"
 
 
 def keeps_output(cell: nbformat.NotebookNode) -> bool:
-    """Chapter 00: does this cell keep its output in git (nbval compares it)?"""
+    """Does this cell keep its output in git (nbval compares it)?"""
     return cell.cell_type == "code" and CHECK_TAG in cell.get("metadata", {}).get("tags", [])
 
 
 def strip(nb: nbformat.NotebookNode) -> bool:
-    """Chapter 00: remove outputs and counts from every cell that nbval does not compare."""
+    """Remove outputs and counts from every cell that nbval does not compare."""
     changed = False
     for cell in nb.cells:
         if cell.get("metadata", {}).pop("execution", None) is not None:
@@ -39,7 +41,7 @@ def strip(nb: nbformat.NotebookNode) -> bool:
 
 
 def refresh(path: Path, timeout: int = 600) -> None:
-    """Chapter 00: execute a notebook in its folder and store only the compared outputs."""
+    """Execute a notebook in its folder and store only the compared outputs."""
     import torch
 
     nb = nbformat.read(path, as_version=4)
@@ -60,7 +62,7 @@ def refresh(path: Path, timeout: int = 600) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m course_lib.nbtools", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m course_lib.tooling.nbtools", description=__doc__.splitlines()[0])
     p.add_argument("command", choices=["strip", "refresh"])
     p.add_argument("paths", nargs="+", type=Path)
     args = p.parse_args(argv)

@@ -20,6 +20,8 @@ from dataclasses import dataclass, replace
 
 from .formats import Decomposed, decode, decompose, get_format
 
+__all__ = ["bit_explorer"]
+
 EXPLORER_FORMATS = ("fp32", "bf16", "fp16", "fp8_e4m3fn", "fp8_e5m2")
 # Field colours: sign, exponent, mantissa (the colours of the chapter's bit-layout figure).
 COLORS = {"sign": "#f4cccc", "exponent": "#cfe2f3", "mantissa": "#d9ead3"}
@@ -29,7 +31,7 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, as
 
 
 def parse_number(text: str) -> float:
-    """Chapter 01: a number typed into the explorer: '0.1', '-inf', 'nan', '1e-8', '2**-24', '65504 + 16'.
+    """A number typed into the explorer: '0.1', '-inf', 'nan', '1e-8', '2**-24', '65504 + 16'.
 
     Only numbers and + - * / ** are evaluated (no names, no calls), so this is safe on any input.
     Raises ValueError with a short message for anything else.
@@ -56,7 +58,7 @@ def parse_number(text: str) -> float:
 
 
 def field_of(position: int, fmt: str) -> str:
-    """Chapter 01: 'sign', 'exponent' or 'mantissa' for a bit position counted from the left (0 = sign)."""
+    """'sign', 'exponent' or 'mantissa' for a bit position counted from the left (0 = sign)."""
     f = get_format(fmt)
     if not 0 <= position < f.bits:
         raise ValueError(f"{f.name} has bit positions 0..{f.bits - 1}, not {position}")
@@ -64,7 +66,7 @@ def field_of(position: int, fmt: str) -> str:
 
 
 def flip_bit(pattern: int, position: int, fmt: str) -> int:
-    """Chapter 01: the pattern with one bit flipped; positions count from the left as the bits are
+    """The pattern with one bit flipped; positions count from the left as the bits are
     drawn (0 is the sign bit, 1 the exponent's most significant bit, bits-1 the last mantissa bit)."""
     f = get_format(fmt)
     field_of(position, fmt)  # validates the position
@@ -73,7 +75,7 @@ def flip_bit(pattern: int, position: int, fmt: str) -> int:
 
 @dataclass(frozen=True)
 class ExplorerState:
-    """Chapter 01: what the bit explorer shows: a number, and the pattern being edited in one format.
+    """What the bit explorer shows: a number, and the pattern being edited in one format.
 
     Typing a number sets `value` and re-derives `pattern` (the number rounded to `edit_format`);
     flipping a bit changes `pattern`, and `value` becomes what the new pattern means, so every
@@ -104,7 +106,7 @@ class ExplorerState:
 
 
 def explorer_rows(value: float, formats: tuple[str, ...] = EXPLORER_FORMATS) -> list[Decomposed]:
-    """Chapter 01: the number decomposed in each format (torch's rounding)."""
+    """The number decomposed in each format (torch's rounding)."""
     return [decompose(value, f) for f in formats]
 
 
@@ -121,7 +123,7 @@ def _exp(d: Decomposed) -> str:
 
 
 def static_text(value: float, formats: tuple[str, ...] = EXPLORER_FORMATS) -> str:
-    """Chapter 01: the explorer's table as fixed-width text (what a terminal or a test sees)."""
+    """The explorer's table as fixed-width text (what a terminal or a test sees)."""
     rows = explorer_rows(value, formats)
     width = max(len(d.pretty_bits) for d in rows)
     out = [f"{value!r} stored in each format (sign | exponent | mantissa):",
@@ -132,7 +134,7 @@ def static_text(value: float, formats: tuple[str, ...] = EXPLORER_FORMATS) -> st
 
 
 def bits_html(d: Decomposed) -> str:
-    """Chapter 01: the bits of one value as coloured HTML spans (sign, exponent, mantissa)."""
+    """The bits of one value as coloured HTML spans (sign, exponent, mantissa)."""
     f = get_format(d.format)
     spans = []
     for i, b in enumerate(d.bits):
@@ -143,7 +145,7 @@ def bits_html(d: Decomposed) -> str:
 
 
 def static_html(value: float, formats: tuple[str, ...] = EXPLORER_FORMATS) -> str:
-    """Chapter 01: the explorer's table as HTML (what a static render of the notebook shows)."""
+    """The explorer's table as HTML (what a static render of the notebook shows)."""
     head = "".join(f"<th style='text-align:left'>{h}</th>" for h in
                    ("format", "bits (sign | exponent | mantissa)", "kind", "exponent", "stored value", "error"))
     body = []
@@ -155,7 +157,7 @@ def static_html(value: float, formats: tuple[str, ...] = EXPLORER_FORMATS) -> st
 
 
 class BitExplorer:
-    """Chapter 01: the live explorer. Display it (last line of a cell) or call .widget() for the ipywidget.
+    """The live explorer. Display it (last line of a cell) or call .widget() for the ipywidget.
 
     Its display carries the widget, the HTML table and the text table; a frontend without a
     widget manager falls back to the table, so the output means something everywhere.

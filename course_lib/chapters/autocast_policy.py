@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
+import math
 import sys
 import warnings
 from collections import Counter
@@ -34,10 +34,14 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from ..reference import record
+
+__all__ = ["LOW_PRECISION", "dispatch_trace", "casts", "PolicyRow", "fake_cuda_available", "probe_policy",
+           "compare_policies", "format_policy", "registered_ops"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 POLICIES = ("lower_precision", "fp32", "promote", "unchanged", "banned")
@@ -45,7 +49,7 @@ SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", t
 
 
 def short(dtype: torch.dtype | None) -> str:
-    """Chapter 02: 'fp32' / 'fp16' / 'bf16' for a dtype (its torch name for anything else)."""
+    """'fp32' / 'fp16' / 'bf16' for a dtype (its torch name for anything else)."""
     if dtype is None:
         return "-"
     return SHORT.get(dtype, str(dtype).replace("torch.", ""))
@@ -55,7 +59,7 @@ def short(dtype: torch.dtype | None) -> str:
 
 @dataclass(frozen=True)
 class OpSpec:
-    """Chapter 02: one op to probe. `fn` takes the floating-point inputs (the ones the probe
+    """One op to probe. `fn` takes the floating-point inputs (the ones the probe
     varies between fp32 and low precision); parameters such as a linear layer's weight are
     made inside `fn`, in fp32, as a model's parameters would be."""
     name: str
@@ -66,10 +70,7 @@ class OpSpec:
 
 def _w(x: torch.Tensor, *shape: int) -> torch.Tensor:
     # A deterministic fp32 "parameter" on x's device (no RNG: works under FakeTensorMode too).
-    n = 1
-    for s in shape:
-        n *= s
-    return torch.linspace(-0.5, 0.5, n, device=x.device).reshape(shape)
+    return torch.linspace(-0.5, 0.5, math.prod(shape), device=x.device).reshape(shape)
 
 
 def _target(x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +88,8 @@ OPS: dict[str, OpSpec] = {s.name: s for s in [
     OpSpec("conv1d", lambda x: F.conv1d(x, _w(x, 4, 3, 3)), ((2, 3, 8),), "matmul"),
     OpSpec("bmm", lambda a, b: torch.bmm(a, b.transpose(1, 2)), ((2, 4, 8), (2, 4, 8)), "matmul"),
     OpSpec("addmm", lambda c, a, b: torch.addmm(c, a, b.T), ((8, 8), _M, _M), "matmul"),
-    OpSpec("baddbmm", lambda c, a, b: torch.baddbmm(c, a, b.transpose(1, 2)), ((2, 4, 4), (2, 4, 8), (2, 4, 8)), "matmul"),
+    OpSpec("baddbmm", lambda c, a, b: torch.baddbmm(c, a, b.transpose(1, 2)),
+           ((2, 4, 4), (2, 4, 8), (2, 4, 8)), "matmul"),
     OpSpec("einsum", lambda a, b: torch.einsum("ij,kj->ik", a, b), (_M, _M), "matmul"),
     OpSpec("scaled_dot_product_attention", lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
            ((1, 2, 4, 8),) * 3, "attention"),
@@ -116,7 +118,8 @@ OPS: dict[str, OpSpec] = {s.name: s for s in [
     OpSpec("cross_entropy", lambda x: F.cross_entropy(x, _target(x)), (_M,), "loss"),
     OpSpec("nll_loss", lambda x: F.nll_loss(x, _target(x)), (_M,), "loss"),
     OpSpec("binary_cross_entropy_with_logits", F.binary_cross_entropy_with_logits, (_M, _M), "loss"),
-    OpSpec("binary_cross_entropy", lambda x, y: F.binary_cross_entropy(torch.sigmoid(x), torch.sigmoid(y)), (_M, _M), "loss"),
+    OpSpec("binary_cross_entropy", lambda x, y: F.binary_cross_entropy(torch.sigmoid(x), torch.sigmoid(y)),
+           (_M, _M), "loss"),
     # -- cheap pointwise ops and layout ops
     OpSpec("relu", torch.relu, (_M,), "pointwise"),
     OpSpec("gelu", F.gelu, (_M,), "pointwise"),
@@ -138,7 +141,7 @@ OPS: dict[str, OpSpec] = {s.name: s for s in [
 
 @dataclass(frozen=True)
 class TraceEntry:
-    """Chapter 02: one ATen op as it reached the kernels: after autocast's casts."""
+    """One ATen op as it reached the kernels: after autocast's casts."""
     op: str
     in_dtypes: tuple[torch.dtype, ...]
     out_dtype: torch.dtype | None
@@ -206,19 +209,13 @@ def _autocast(device: str, dtype: torch.dtype, enabled: bool, fake: bool) -> con
 
 def _inputs(spec: OpSpec, device: str, dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
     # Positive, moderate values: log/rsqrt/prod behave, nothing overflows in fp16.
-    out = []
-    for i, (shape, dt) in enumerate(zip(spec.shapes, dtypes)):
-        n = 1
-        for s in shape:
-            n *= s
-        t = torch.linspace(0.1, 1.0 + 0.1 * i, n, device=device).reshape(shape)
-        out.append(t.to(dt))
-    return out
+    return [torch.linspace(0.1, 1.0 + 0.1 * i, math.prod(shape), device=device).reshape(shape).to(dt)
+            for i, (shape, dt) in enumerate(zip(spec.shapes, dtypes))]
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """Chapter 02: what one call did: the output dtype (or the error) and the casts made."""
+    """What one call did: the output dtype (or the error) and the casts made."""
     out_dtype: torch.dtype | None
     error: str | None
     casts: Counter
@@ -226,7 +223,7 @@ class Outcome:
 
 def run_op(spec: OpSpec, device: str, dtype: torch.dtype, in_dtypes: Sequence[torch.dtype],
            autocast: bool = True, fake: bool = False) -> Outcome:
-    """Chapter 02: run `spec` once on inputs of `in_dtypes`, with or without autocast."""
+    """Run `spec` once on inputs of `in_dtypes`, with or without autocast."""
     mode = contextlib.nullcontext()
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -328,14 +325,9 @@ def probe_policy(device: str = "cpu", dtype: torch.dtype | None = None, ops: Seq
     return [_classify(OPS[name], device, dtype, fake) for name in (ops or OPS)]
 
 
-def policy_map(rows: Sequence[PolicyRow]) -> dict[str, str]:
-    """Chapter 02: {op: policy}."""
-    return {r.op: r.policy for r in rows}
-
-
 def compare_policies(a: Sequence[PolicyRow], b: Sequence[PolicyRow]) -> list[tuple[str, str, str]]:
     """Chapter 02: the ops whose policy differs between two probes, as (op, policy_a, policy_b)."""
-    pb = policy_map(b)
+    pb = {r.op: r.policy for r in b}
     return [(r.op, r.policy, pb[r.op]) for r in a if r.op in pb and pb[r.op] != r.policy]
 
 
@@ -356,7 +348,7 @@ def format_policy(rows: Sequence[PolicyRow], group_by_policy: bool = True) -> st
 
 def output_dtype(op: str, device: str, dtype: torch.dtype, in_dtypes: Sequence[torch.dtype],
                  fake: bool = False) -> torch.dtype | None:
-    """Chapter 02: the output dtype of OPS[op] under autocast(device, dtype) for inputs of
+    """The output dtype of OPS[op] under autocast(device, dtype) for inputs of
     `in_dtypes` (None if it raises). The live answer exercise 02.1 is checked against."""
     return run_op(OPS[op], device, dtype, in_dtypes, True, fake).out_dtype
 
@@ -371,143 +363,17 @@ def registered_ops(device: str = "cpu") -> list[str]:
     return sorted(r.removeprefix("aten::") for r in torch._C._dispatch_get_registrations_for_dispatch_key(key))
 
 
-# --------------------------------------------------------------------------- where the dtypes end up
-
-def saved_tensor_dtypes(fn: Callable[[], object]) -> dict[torch.dtype, int]:
-    """Chapter 02: bytes of tensors autograd saves for backward while `fn` runs, per dtype.
-
-    Counts storages once (like course_lib.bench.saved_activation_bytes), so a tensor saved by
-    two ops is not counted twice.
-    """
-    seen: dict[tuple[int, int], tuple[torch.dtype, int]] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        seen[(s.data_ptr(), s.nbytes())] = (t.dtype, s.nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    out: dict[torch.dtype, int] = {}
-    for dt, n in seen.values():
-        out[dt] = out.get(dt, 0) + n
-    return out
-
-
-def dtype_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Counter]:
-    """Chapter 02: how many parameters / grads / optimizer-state tensors there are of each dtype."""
-    rep = {"params": Counter(short(p.dtype) for p in model.parameters()),
-           "grads": Counter(short(p.grad.dtype) for p in model.parameters() if p.grad is not None)}
-    if optimizer is not None:
-        rep["optimizer state"] = Counter(short(v.dtype) for st in optimizer.state.values()
-                                         for v in st.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
-    return rep
-
-
-@dataclass(frozen=True)
-class ModuleDtypes:
-    """Chapter 02: the dtypes one leaf module saw and produced in a forward pass."""
-    name: str
-    kind: str
-    in_dtype: torch.dtype | None
-    out_dtype: torch.dtype | None
-
-
-def module_dtypes(model: nn.Module, *inputs: torch.Tensor, device_type: str | None = None,
-                  dtype: torch.dtype | None = None) -> list[ModuleDtypes]:
-    """Chapter 02: input and output dtype of every leaf module, in execution order.
-
-    With device_type given, the forward runs under torch.autocast(device_type, dtype);
-    without, it runs as it is (so you can call it inside your own region).
-    """
-    rows: list[ModuleDtypes] = []
-
-    def first_float(xs: object) -> torch.dtype | None:
-        return next((t.dtype for t in tree_leaves(xs) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
-
-    def hook(name: str) -> Callable:
-        def record(mod: nn.Module, args: tuple, out: object) -> None:
-            rows.append(ModuleDtypes(name, type(mod).__name__, first_float(args), first_float(out)))
-        return record
-
-    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if not list(m.children())]
-    region = torch.autocast(device_type, dtype=dtype) if device_type else contextlib.nullcontext()
-    try:
-        with region:
-            model(*inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    return rows
-
-
-def format_module_dtypes(rows: Sequence[ModuleDtypes]) -> str:
-    """Chapter 02: module_dtypes as a table; marks where autocast changed the dtype."""
-    out = [f"{'module':<18}{'type':<20}{'in':>6}{'out':>6}"]
-    for r in rows:
-        mark = "  <- cast down" if r.in_dtype == torch.float32 and r.out_dtype in LOW_PRECISION else (
-            "  <- cast up to fp32" if r.in_dtype in LOW_PRECISION and r.out_dtype == torch.float32 else "")
-        out.append(f"{r.name:<18}{r.kind:<20}{short(r.in_dtype):>6}{short(r.out_dtype):>6}{mark}")
-    return "\n".join(out)
-
-
-def memory_comparison(model: nn.Module, x: torch.Tensor, target: torch.Tensor,
-                      loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
-                      dtype: torch.dtype | None = None) -> dict[str, dict]:
-    """Chapter 02: one forward + backward in fp32 and under autocast, and what each keeps.
-
-    For each mode: `saved` = bytes autograd saves for backward (any device, via
-    course_lib.bench.saved_activation_bytes), `saved_by_dtype`, and `peak` = peak CUDA memory
-    of the whole step (None off CUDA). Gradients are reset to None before each run.
-    """
-    from .bench import peak_memory_bytes, saved_activation_bytes
-
-    dev = x.device
-    dtype = dtype or torch.get_autocast_dtype(dev.type)
-    out: dict[str, dict] = {}
-    for name, enabled in (("fp32", False), (short(dtype), True)):
-        model.zero_grad(set_to_none=True)
-        losses: list[torch.Tensor] = []
-
-        def forward() -> None:
-            with torch.autocast(dev.type, dtype=dtype, enabled=enabled):
-                losses.append(loss_fn(model(x), target))
-
-        by_dtype = saved_tensor_dtypes(forward)
-        saved = saved_activation_bytes(forward)
-        losses.clear()  # drop both graphs before measuring the peak of a clean step
-        model.zero_grad(set_to_none=True)
-
-        def step() -> None:
-            forward()
-            losses.pop().backward()
-
-        peak = peak_memory_bytes(step, dev)
-        out[name] = {"saved": saved, "saved_by_dtype": {short(k): v for k, v in by_dtype.items()}, "peak": peak}
-    model.zero_grad(set_to_none=True)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Chapter 02: `python -m course_lib.autocast_policy [--device cuda] [--json PATH]`."""
-    from .bench import provenance
-
-    p = argparse.ArgumentParser(prog="python -m course_lib.autocast_policy",
+    p = argparse.ArgumentParser(prog="python -m course_lib.chapters.autocast_policy",
                                 description="probe the autocast op policy of the installed torch on this machine")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--fake", action="store_true", help="probe CUDA with FakeTensors (no GPU needed)")
-    p.add_argument("--json", help="also write the tables with provenance (e.g. data/reference/autocast_policy_<gpu>.json)")
+    p.add_argument("--json", help="also write the tables with provenance (data/reference/autocast_policy_<gpu>.json)")
     args = p.parse_args(argv)
-    prov = provenance("python -m course_lib.autocast_policy " + " ".join(argv if argv is not None else sys.argv[1:]))
-    tables = {}
-    for dtype in (torch.float16, torch.bfloat16):
-        rows = probe_policy(args.device, dtype, fake=args.fake)
-        tables[short(dtype)] = [r.as_dict() for r in rows]
-        print(format_policy(rows), end="\n\n")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"provenance": {**prov, "fake": args.fake}, "policy": tables}, f, indent=2)
-        print(f"wrote {args.json}")
+    probes = {short(dt): probe_policy(args.device, dt, fake=args.fake) for dt in (torch.float16, torch.bfloat16)}
+    command = "python -m course_lib.chapters.autocast_policy " + " ".join(argv if argv is not None else sys.argv[1:])
+    record(command, "\n\n".join(format_policy(rows) for rows in probes.values()), args.json, fake=args.fake,
+           policy={k: [r.as_dict() for r in rows] for k, rows in probes.items()})
     return 0
 
 

@@ -1,9 +1,9 @@
 """Colab badge and setup cell, stamped into every notebook from one configuration place.
 
-Chapter 00 explains how the course runs on Colab. The repository and ref live in
-pyproject.toml under [tool.amp-course]; `python -m course_lib.colab stamp` (make stamp)
-writes them into cell 0 (badge) and cell 1 (setup) of every notebook, so a fork or a
-workshop tag changes one line, not forty notebooks.
+The repository and ref live in pyproject.toml under [tool.amp-course];
+`python -m course_lib.tooling.colab stamp` (make stamp) writes them into cell 0 (badge) and
+cell 1 (setup) of every notebook, so a fork or a workshop tag changes one line, not forty
+notebooks.
 """
 from __future__ import annotations
 
@@ -14,28 +14,36 @@ from pathlib import Path
 
 import nbformat
 
-ROOT = Path(__file__).resolve().parents[1]
+__all__ = ["read_config", "stamp_notebook", "stamp_all", "notebook_paths"]
+
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK_DIRS = ("notebooks", "solutions", "exercises")
 BADGE_ID, SETUP_ID = "colab-badge", "colab-setup"
 CLONE_DIR = "/content/amp-course"
 
+# Cell 1. Colab shows "# @title" cells collapsed, as a form; the why is in cell 0's markdown.
 SETUP_TEMPLATE = '''\
-# Setup. On Colab this fetches the course (library + shipped data) at the same ref as this
-# notebook; elsewhere it does nothing but print what hardware you have. It never reinstalls
-# torch: the course only sets floors (torch>=2.4), which Colab's own torch already meets.
+# @title Setup: fetch the course on Colab, then print this machine's hardware
 import os, subprocess, sys
-if "google.colab" in sys.modules:
-    if not os.path.isdir("{clone_dir}"):
-        subprocess.run(["git", "clone", "--depth", "1", "--branch", "{ref}",
-                        "https://github.com/{repo}", "{clone_dir}"], check=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", "{clone_dir}"], check=True)
-    sys.path.insert(0, "{clone_dir}")  # the editable install is only seen after a restart
+if "google.colab" in sys.modules and not os.path.isdir("{clone_dir}"):
+    subprocess.run("git clone -q --depth 1 --branch {ref} https://github.com/{repo}"
+                   f" {clone_dir} && {{sys.executable}} -m pip install -q -e {clone_dir}",
+                   shell=True, check=True)
+sys.path.insert(0, "{clone_dir}")  # import it without a restart; off Colab: no such folder
 from course_lib.device import hardware_report
 print(hardware_report())'''
 
+# Cell 0: the badge, and what the setup cell does (and does not do) in words.
+BADGE_TEMPLATE = """\
+[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})
+
+*Setup:* on Colab the next cell fetches this course at the notebook's version ({ref}) and
+installs it without touching Colab's own torch (the course only sets minimum versions);
+running it again does nothing new. Anywhere else it only prints what your hardware can do."""
+
 
 def read_config(root: Path = ROOT) -> dict[str, str]:
-    """Chapter 00: the course's GitHub repo and ref, from pyproject.toml [tool.amp-course]."""
+    """The course's GitHub repo and ref, from pyproject.toml [tool.amp-course]."""
     text = (root / "pyproject.toml").read_text()
     try:
         import tomllib  # Python >= 3.11
@@ -48,7 +56,7 @@ def read_config(root: Path = ROOT) -> dict[str, str]:
 
 def badge_source(relpath: str, cfg: dict[str, str]) -> str:
     url = f"https://colab.research.google.com/github/{cfg['repo']}/blob/{cfg['ref']}/{relpath}"
-    return f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})"
+    return BADGE_TEMPLATE.format(url=url, ref=cfg["ref"])
 
 
 def setup_source(cfg: dict[str, str]) -> str:
@@ -56,7 +64,7 @@ def setup_source(cfg: dict[str, str]) -> str:
 
 
 def stamp_notebook(nb: nbformat.NotebookNode, relpath: str, cfg: dict[str, str] | None = None) -> bool:
-    """Chapter 00: make cell 0 the badge and cell 1 the setup cell; set Colab metadata.
+    """Make cell 0 the badge and cell 1 the setup cell; set Colab metadata.
 
     Idempotent: returns True only if something changed. Cells are found by their ids, so
     re-stamping replaces them instead of adding more.
@@ -82,7 +90,7 @@ def notebook_paths(root: Path = ROOT) -> list[Path]:
 
 
 def stamp_all(root: Path = ROOT, check: bool = False) -> list[Path]:
-    """Chapter 00: stamp every notebook; with check=True only report the ones that need it."""
+    """Stamp every notebook; with check=True only report the ones that need it."""
     cfg, changed = read_config(root), []
     for path in notebook_paths(root):
         nb = nbformat.read(path, as_version=4)
@@ -94,7 +102,7 @@ def stamp_all(root: Path = ROOT, check: bool = False) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m course_lib.colab", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m course_lib.tooling.colab", description=__doc__.splitlines()[0])
     p.add_argument("command", choices=["stamp"])
     p.add_argument("--check", action="store_true", help="only list notebooks that are not stamped; exit 1 if any")
     args = p.parse_args(argv)

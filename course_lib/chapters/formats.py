@@ -7,9 +7,6 @@ see is exactly what PyTorch stores, not what a textbook says it should.
     decompose(0.1, "bf16")          # sign / exponent / mantissa, kind, stored value, error
     print(format_table_text())      # range and precision of every format, from torch.finfo
 
-    python -m course_lib.formats [--json data/reference/formats_matmul_<gpu>.json]
-                                    # matmul error vs float64 on this machine's GPU (or CPU)
-
 A value of a format with e exponent bits and m mantissa bits is
     normal     (-1)^s * 2^(E - bias) * 1.M      for 0 < E < all ones   (bias = 2^(e-1) - 1)
     subnormal  (-1)^s * 2^(1 - bias) * 0.M      for E == 0 (M == 0 is a signed zero)
@@ -17,18 +14,19 @@ A value of a format with e exponent bits and m mantissa bits is
 """
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
 
+__all__ = ["FORMATS", "STORAGE_FORMATS", "get_format", "all_values", "decompose", "format_table",
+           "format_table_text", "spacing", "fate", "fates", "sum_experiment", "fp8_roundtrip"]
+
 
 @dataclass(frozen=True)
 class Format:
-    """Chapter 01: the bit layout of one floating-point format."""
+    """The bit layout of one floating-point format."""
     name: str
     dtype: torch.dtype | None   # None for tf32: a matmul compute mode, never a tensor's dtype
     exponent_bits: int
@@ -82,7 +80,8 @@ FORMATS: dict[str, Format] = {
                                               "matmul inputs when allowed; 19 bits used, 32 stored"),
     "fp16": Format("fp16", torch.float16, 5, 10, note="IEEE binary16: torch.float16 / half"),
     "bf16": Format("bf16", torch.bfloat16, 8, 7, note="brain float: fp32's exponent, 7 mantissa bits"),
-    "fp8_e5m2": Format("fp8_e5m2", torch.float8_e5m2, 5, 2, note="OCP fp8, IEEE-like: inf and NaN; range for gradients"),
+    "fp8_e5m2": Format("fp8_e5m2", torch.float8_e5m2, 5, 2,
+                       note="OCP fp8, IEEE-like: inf and NaN; range for gradients"),
     "fp8_e4m3fn": Format("fp8_e4m3fn", torch.float8_e4m3fn, 4, 3, has_inf=False,
                          note="OCP fp8, finite: no inf, max 448; precision for weights/activations"),
 }
@@ -134,7 +133,7 @@ def _from_unsigned(p: torch.Tensor, f: Format) -> torch.Tensor:
 
 
 def round_to(x: float | Sequence[float] | torch.Tensor, fmt: str | torch.dtype | Format) -> torch.Tensor:
-    """Chapter 01: x rounded to the format by torch's own conversion, as float64 (exact) values.
+    """X rounded to the format by torch's own conversion, as float64 (exact) values.
 
     Python floats are float64. torch converts float64 to the 16- and 8-bit formats through
     float32, so a float64 that is not also a float32 can be rounded twice (off by one unit in the
@@ -146,14 +145,14 @@ def round_to(x: float | Sequence[float] | torch.Tensor, fmt: str | torch.dtype |
 
 
 def to_bits(x: float, fmt: str | torch.dtype | Format) -> int:
-    """Chapter 01: the bit pattern (as an unsigned int) torch stores for x in the format."""
+    """The bit pattern (as an unsigned int) torch stores for x in the format."""
     f = _storage(fmt)
     stored = torch.tensor([float(x)], dtype=torch.float64).to(f.dtype)
     return int(_to_unsigned(stored.view(f.int_dtype), f)[0])
 
 
 def from_bits(pattern: int, fmt: str | torch.dtype | Format) -> float:
-    """Chapter 01: the value a bit pattern means in the format (decoded by torch)."""
+    """The value a bit pattern means in the format (decoded by torch)."""
     f = _storage(fmt)
     if not 0 <= pattern < 2 ** f.bits:
         raise ValueError(f"{f.name} patterns are {f.bits}-bit: 0 <= pattern < {2 ** f.bits}, got {pattern}")
@@ -169,14 +168,14 @@ def all_values(fmt: str | torch.dtype | Format) -> torch.Tensor:
 
 
 def split_bits(pattern: int, fmt: str | torch.dtype | Format) -> tuple[int, int, int]:
-    """Chapter 01: (sign, exponent field, mantissa field) of a bit pattern."""
+    """(sign, exponent field, mantissa field) of a bit pattern."""
     f = get_format(fmt)
     m, e = f.mantissa_bits, f.exponent_bits
     return pattern >> (e + m), (pattern >> m) & (2 ** e - 1), pattern & (2 ** m - 1)
 
 
 def bit_string(pattern: int, fmt: str | torch.dtype | Format, sep: str = "") -> str:
-    """Chapter 01: the pattern as '0' and '1' characters; sep goes between sign, exponent and mantissa."""
+    """The pattern as '0' and '1' characters; sep goes between sign, exponent and mantissa."""
     f = get_format(fmt)
     s = format(pattern, f"0{f.bits}b")
     return sep.join([s[0], s[1:1 + f.exponent_bits], s[1 + f.exponent_bits:]]) if sep else s
@@ -184,7 +183,7 @@ def bit_string(pattern: int, fmt: str | torch.dtype | Format, sep: str = "") -> 
 
 @dataclass(frozen=True)
 class Decomposed:
-    """Chapter 01: one number as a format stores it."""
+    """One number as a format stores it."""
     format: str
     input: float            # the number that was asked for
     pattern: int            # the stored bits as an unsigned integer
@@ -240,7 +239,7 @@ def _kind(f: Format, exponent_field: int, mantissa: int) -> str:
 
 
 def decode(pattern: int, fmt: str | torch.dtype | Format) -> Decomposed:
-    """Chapter 01: what a bit pattern means (its input is its own value, so the error is 0)."""
+    """What a bit pattern means (its input is its own value, so the error is 0)."""
     f = _storage(fmt)
     value = from_bits(pattern, f)
     return _decomposed(f, value, pattern, value)
@@ -330,7 +329,7 @@ def spacing(x: float | Sequence[float] | torch.Tensor, fmt: str | torch.dtype | 
 
 
 def overflow_threshold(fmt: str | torch.dtype | Format) -> float:
-    """Chapter 01: the magnitude from which round-to-nearest leaves the format's range:
+    """The magnitude from which round-to-nearest leaves the format's range:
     max + half a gap at the top (fp16: 65504 + 16 = 65520). At exactly this value the tie goes
     to the even neighbour: beyond max (overflow) when max's last mantissa bit is 1 (fp16, bf16,
     fp32, e5m2), back to max when it is 0 (e4m3fn's max 448 = 1.110b × 2^8)."""
@@ -387,7 +386,7 @@ def fates(t: torch.Tensor, fmt: str | torch.dtype | Format) -> dict[str, float]:
 
 def running_sum(values: Sequence[float] | torch.Tensor, fmt: str | torch.dtype | Format,
                 accumulator: str | torch.dtype | Format | None = None) -> torch.Tensor:
-    """Chapter 01: the partial sums of a naive left-to-right loop `s = s + v[i]`, as float64.
+    """The partial sums of a naive left-to-right loop `s = s + v[i]`, as float64.
 
     The values are rounded to `fmt`; the running sum is kept (rounded after every addition) in
     `accumulator`, which defaults to `fmt` itself. One Python-level addition per value, so
@@ -420,7 +419,8 @@ def sum_experiment(increment: float = 1e-4, n: int = 10_000,
         ways = {"naive": running_sum([increment] * n, f)}
         if name != "fp32":
             ways["fp32 acc"] = running_sum([increment] * n, f, "fp32")
-        ways["torch.sum"] = torch.full((n,), increment, dtype=torch.float64).to(f.dtype).sum().to(torch.float64).reshape(1)
+        values = torch.full((n,), increment, dtype=torch.float64).to(f.dtype)
+        ways["torch.sum"] = values.sum().to(torch.float64).reshape(1)
         for way, partial in ways.items():
             final = float(partial[-1])
             stalled_after, stalled_value = None, None
@@ -432,40 +432,6 @@ def sum_experiment(increment: float = 1e-4, n: int = 10_000,
             rows.append({"format": name, "how": way, "final": final, "rel_error": abs(final - exact) / exact,
                          "stalled_after_step": stalled_after, "stalled_value": stalled_value})
     return rows
-
-
-def matmul_error(k: int, fmt: str | torch.dtype | Format, *, method: str = "torch", m: int = 64, n: int = 64,
-                 scaled: bool = False, seed: int = 0, device: str | torch.device = "cpu") -> float:
-    """Chapter 01: relative error ||C - C_ref||_F / ||C_ref||_F of A @ B against float64.
-
-    A (m×k) and B (k×n) are N(0, 1) float32 matrices, the reference is their exact float64 product.
-    method
-      "torch"   torch.matmul on tensors of the format on `device` (the backend's accumulation)
-      "inputs"  only the inputs rounded to the format, product in float64: the error floor
-      "naive"   k rank-1 updates C = C + a_i b_i^T with C kept in the format (16-bit accumulation)
-    scaled: multiply each input by format.max / amax before rounding (fp8 recipes' per-tensor
-    scale) and divide it out afterwards.
-    """
-    f = _storage(fmt)
-    g = torch.Generator().manual_seed(seed)
-    a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
-    ref = a.double() @ b.double()
-    sa = f.max / a.abs().max().item() if scaled else 1.0
-    sb = f.max / b.abs().max().item() if scaled else 1.0
-    la, lb = (a * sa).to(f.dtype), (b * sb).to(f.dtype)
-    if method == "torch":
-        c = (la.to(device) @ lb.to(device)).cpu().double()
-    elif method == "inputs":
-        c = la.double() @ lb.double()
-    elif method == "naive":
-        c16 = torch.zeros(m, n, dtype=f.dtype)
-        for i in range(k):
-            c16 = c16 + la[:, i:i + 1] * lb[i:i + 1, :]
-        c = c16.double()
-    else:
-        raise ValueError(f"method must be 'torch', 'inputs' or 'naive', not {method!r}")
-    c = c / (sa * sb)
-    return ((c - ref).norm() / ref.norm()).item()
 
 
 def fp8_roundtrip(t: torch.Tensor, fmt: str | torch.dtype | Format = "fp8_e4m3fn",
@@ -480,61 +446,3 @@ def fp8_roundtrip(t: torch.Tensor, fmt: str | torch.dtype | Format = "fp8_e4m3fn
     amax = t.abs().max().item()
     scale = f.max / amax if scaled and amax > 0 else 1.0
     return (t * scale).to(f.dtype).to(t.dtype) / scale, scale
-
-
-# column -> label; "RR off": torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-MATMUL_COLUMNS = {"fp32_strict": "fp32", "fp32_tf32": "fp32 TF32", "fp16": "fp16", "fp16_fp32_reduction": "fp16 RR off",
-                  "bf16": "bf16", "fp16_floor": "fp16 floor", "bf16_floor": "bf16 floor"}
-
-
-def matmul_table(ks: Sequence[int] = (256, 4096, 65536), device: str | torch.device = "cuda") -> list[dict]:
-    """Chapter 01: matmul_error on `device` for each K: fp32 with TF32 off and on, fp16 with the
-    default and with allow_fp16_reduced_precision_reduction=False, bf16, and the input floors."""
-    from .bench import tf32
-
-    flags = torch.backends.cuda.matmul
-    rows = []
-    for k in ks:
-        row = {"K": k}
-        for allow in (False, True):
-            with tf32(allow):
-                row["fp32_tf32" if allow else "fp32_strict"] = matmul_error(k, "fp32", device=device)
-        row["fp16"] = matmul_error(k, "fp16", device=device)
-        old = flags.allow_fp16_reduced_precision_reduction
-        try:  # forbid cuBLAS from doing parts of the fp16 reduction in fp16
-            flags.allow_fp16_reduced_precision_reduction = False
-            row["fp16_fp32_reduction"] = matmul_error(k, "fp16", device=device)
-        finally:
-            flags.allow_fp16_reduced_precision_reduction = old
-        row["bf16"] = matmul_error(k, "bf16", device=device)
-        row["fp16_floor"] = matmul_error(k, "fp16", method="inputs")
-        row["bf16_floor"] = matmul_error(k, "bf16", method="inputs")
-        rows.append(row)
-    return rows
-
-
-def matmul_table_text(rows: list[dict]) -> str:
-    """Chapter 01: the rows of matmul_table as fixed-width text."""
-    out = [f"{'K':>6}" + "".join(f"{label:>13}" for label in MATMUL_COLUMNS.values())]
-    for r in rows:
-        out.append(f"{r['K']:>6}" + "".join(f"{r[c]:>13.2e}" for c in MATMUL_COLUMNS))
-    return "\n".join(out)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from .bench import report
-    from .device import pick_device
-
-    p = argparse.ArgumentParser(prog="python -m course_lib.formats",
-                                description="relative error of fp32/TF32/fp16/bf16 matmuls against float64")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--json", help="also write rows + provenance here (e.g. data/reference/formats_matmul_h100.json)")
-    args = p.parse_args(argv)
-    dev = pick_device(args.device)
-    rows = matmul_table(device=dev)
-    report("course_lib.formats", argv, rows, matmul_table_text(rows), args.json)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

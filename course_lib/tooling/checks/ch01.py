@@ -8,8 +8,10 @@ import random
 import numpy as np
 import torch
 
-from ..formats import all_values, bit_string, get_format, overflow_threshold
+from ...chapters.formats import all_values, bit_string, get_format, overflow_threshold
 from ..grading import CheckFailure, register
+
+__all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
 _FP16_HINTS = {
     "zero": "0x0000 and 0x8000 are +0.0 and -0.0: keep the sign (e.g. math.copysign(0.0, -1) or -0.0).",
@@ -87,8 +89,9 @@ def _round_to_bf16(round_to_bf16) -> None:
         if nan and (r & 0x7F80) == 0x7F80 and (r & 0x7F):
             continue  # any NaN is a right answer for a NaN
         if nan:
-            raise CheckFailure(f"round_to_bf16({u:#010x}) (an fp32 NaN) returned {r:#06x} ({bit_string(r, 'bf16', ' ')}), "
-                               "which is not a NaN: expected exponent bits all ones and a non-zero mantissa, e.g. 0x7fc0")
+            raise CheckFailure(f"round_to_bf16({u:#010x}) (an fp32 NaN) returned {r:#06x} "
+                               f"({bit_string(r, 'bf16', ' ')}), which is not a NaN: expected exponent bits all "
+                               "ones and a non-zero mantissa, e.g. 0x7fc0")
         if r != w:
             tie = (u & 0xFFFF) == 0x8000
             raise CheckFailure(f"round_to_bf16({u:#010x}) (fp32 {xf!r}) returned {r:#06x} "
@@ -178,7 +181,8 @@ def _bf16_dot_errors(bf16_dot_errors) -> None:
         if abs(got_mixed - floor) > 3 * spread + 0.02 * floor + 1e-7:
             why = ("much smaller than bf16 rounding allows: are the inputs rounded to bf16?" if got_mixed < floor / 4
                    else "is it relative (divided by |reference|), with the result kept in float32?")
-            raise CheckFailure(f"n={n}, scale {scale:.3g}: mixed error {got_mixed:.3e}, expected about {floor:.3e}; {why}")
+            raise CheckFailure(f"n={n}, scale {scale:.3g}: mixed error {got_mixed:.3e}, "
+                               f"expected about {floor:.3e}; {why}")
         if abs(got_naive - naive) > 1e-6 * naive + 1e-12:
             why = ("an fp32 accumulator (torch.dot/sum/cumsum accumulate in fp32 on CPU)?" if got_naive < naive / 2
                    else "every product and every addition should round to bf16, in order")

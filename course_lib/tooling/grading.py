@@ -1,13 +1,13 @@
 """Exercises and grading: the inline check(), exercise generation and the batch grader.
 
-Chapter 00 shows the learner's side: every exercise cell ends with `check("00.name", obj)`,
-which prints one line, pass or fail with a hint. The checks live in course_lib/checks/chNN.py
+The learner's side: every exercise cell ends with `check("00.name", obj)`,
+which prints one line, pass or fail with a hint. The checks live in course_lib/tooling/checks/chNN.py
 (so they work on Colab, where there is no repository checkout) and test behaviour on fresh
 random inputs, so a hard-coded answer fails.
 
 The instructor's side:
-  python -m course_lib.grading generate [--check]     solutions/ -> exercises/ (make exercises)
-  python -m course_lib.grading grade SUBMISSIONS       gradebook.csv + gradebook.json (make grade)
+  python -m course_lib.tooling.grading generate [--check]     solutions/ -> exercises/ (make exercises)
+  python -m course_lib.tooling.grading grade SUBMISSIONS       gradebook.csv + gradebook.json (make grade)
 
 The grader never runs learner code in its own process: each submission runs in a child
 process (`run-one`) that drives a fresh kernel, and the child is killed with its whole
@@ -37,10 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+__all__ = ["CheckFailure", "register", "check", "get_check", "checks_for", "exercise_text", "generate",
+           "grade_notebook", "grade_folder"]
+
 # nbformat / nbclient are imported inside the functions that need them: `check()` runs in
 # every exercise notebook and should cost nothing but this module.
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STUB = 'raise NotImplementedError("Exercise: write your solution here")'
 MD_STUB = "_Your answer here._"
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
@@ -53,12 +56,12 @@ CSV_FIELDS = ("student", "notebook", "exercise", "points", "max_points", "passed
 # --------------------------------------------------------------------------- checks
 
 class CheckFailure(AssertionError):
-    """Chapter 00: raised by a check; its message is shown to the learner as it is."""
+    """Raised by a check; its message is shown to the learner as it is."""
 
 
 @dataclass(frozen=True)
 class Check:
-    """Chapter 00: one registered check. `args` name the notebook globals it grades, in order."""
+    """One registered check. `args` name the notebook globals it grades, in order."""
     name: str
     fn: Callable[..., None]
     args: tuple[str, ...]
@@ -71,7 +74,7 @@ _REGISTRY: dict[str, Check] = {}  # insertion order = the order checks are grade
 
 
 def register(name: str, *, args: tuple[str, ...], points: int = 1, hint: str = "") -> Callable:
-    """Chapter 00: decorator for a check in course_lib/checks/chNN.py.
+    """Decorator for a check in course_lib/tooling/checks/chNN.py.
 
     The check is called as fn(*objects) and returns None on success or raises CheckFailure
     (or AssertionError) with a message for the learner. The batch grader re-imports course_lib
@@ -100,25 +103,26 @@ def register(name: str, *, args: tuple[str, ...], points: int = 1, hint: str = "
 
 
 def _load() -> None:
-    import course_lib.checks  # noqa: F401  imports every chNN module, which register their checks
+    import course_lib.tooling.checks  # noqa: F401  imports every chNN module, which register their checks
 
 
 def _load_errors(chapter: str) -> str:
-    from course_lib import checks
+    from course_lib.tooling import checks
     return "; ".join(f"{k}: {v}" for k, v in checks.errors.items() if k == f"ch{chapter}" or not k.startswith("ch"))
 
 
 def get_check(name: str) -> Check:
-    """Chapter 00: the registered check called `name` (KeyError if there is none)."""
+    """The registered check called `name` (KeyError if there is none)."""
     _load()
     if name not in _REGISTRY:
         errors = _load_errors(name.split(".")[0])
-        raise KeyError(f"there is no check called {name!r}" + (f" (check modules failed to load: {errors})" if errors else ""))
+        why = f" (check modules failed to load: {errors})" if errors else ""
+        raise KeyError(f"there is no check called {name!r}{why}")
     return _REGISTRY[name]
 
 
 def checks_for(chapter: str) -> list[Check]:
-    """Chapter 00: the checks of one chapter ('03'), in the order they were registered."""
+    """The checks of one chapter ('03'), in the order they were registered."""
     _load()
     errors = _load_errors(chapter)
     if errors:  # a half-loaded chapter would grade with missing checks: say so instead
@@ -170,7 +174,7 @@ def _run_check(c: Check, objects: tuple, time_limit: float | None = None) -> tup
 
 
 def check(name: str, *objects: Any) -> bool:
-    """Chapter 00: the inline check at the end of an exercise cell, e.g.
+    """The inline check at the end of an exercise cell, e.g.
     `check("00.precision_policy", choose_precision)`. Prints one line; never raises."""
     try:
         c = get_check(name)
@@ -224,9 +228,10 @@ def _strip_markdown(src: str, where: str) -> str:
 
 
 def exercise_text(solution: Path, cfg: dict[str, str] | None = None) -> str:
-    """Chapter 00: the exact bytes (as text) of the exercise generated from one solution notebook."""
+    """The exact bytes (as text) of the exercise generated from one solution notebook."""
     import nbformat
-    from course_lib.colab import stamp_notebook
+
+    from course_lib.tooling.colab import stamp_notebook
 
     nb = nbformat.read(solution, as_version=4)
     nb.nbformat_minor = max(nb.nbformat_minor, 5)  # cell ids
@@ -249,12 +254,12 @@ def exercise_text(solution: Path, cfg: dict[str, str] | None = None) -> str:
 
 def generate(solutions_dir: Path = ROOT / "solutions", exercises_dir: Path = ROOT / "exercises",
              check: bool = False) -> list[Path]:
-    """Chapter 00: write exercises/NN_x.ipynb from every solutions/NN_x.ipynb (make exercises).
+    """Write exercises/NN_x.ipynb from every solutions/NN_x.ipynb (make exercises).
 
     Returns the exercise paths that were (check=True: would be) written or deleted. A stale
     exercise is one that differs from what its solution generates, or has no solution.
     """
-    from course_lib.colab import read_config
+    from course_lib.tooling.colab import read_config
 
     cfg = read_config()
     solutions = sorted(p for p in Path(solutions_dir).glob("*.ipynb") if re.match(r"\d{2}_", p.name))
@@ -273,7 +278,7 @@ def generate(solutions_dir: Path = ROOT / "solutions", exercises_dir: Path = ROO
 # --------------------------------------------------------------------------- grading
 
 def chapter_of(path: Path, nb: Any = None) -> str | None:
-    """Chapter 00: the chapter a submission belongs to: notebook metadata, else the NN_ file prefix."""
+    """The chapter a submission belongs to: notebook metadata, else the NN_ file prefix."""
     try:
         if nb is None:
             nb = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -292,7 +297,8 @@ _GRADE_CELL = """\
 import sys as _amp_sys, importlib as _amp_importlib
 for _amp_m in [m for m in list(_amp_sys.modules) if m == "course_lib" or m.startswith("course_lib.")]:
     del _amp_sys.modules[_amp_m]
-_amp_importlib.import_module("course_lib.grading")._grade_in_kernel({chapter!r}, {nonce!r}, globals(), {limit!r})
+_amp_grading = _amp_importlib.import_module("course_lib.tooling.grading")
+_amp_grading._grade_in_kernel({chapter!r}, {nonce!r}, globals(), {limit!r})
 """
 
 
@@ -322,7 +328,7 @@ def _grade_in_kernel(chapter: str, nonce: str, ns: dict, time_limit: float) -> N
 
 
 def _output_size(content: dict) -> int:
-    parts = [content.get("text", "")] + list((content.get("data") or {}).values()) + list(content.get("traceback") or [])
+    parts = [content.get("text", ""), *(content.get("data") or {}).values(), *(content.get("traceback") or [])]
     return sum(len(p) if isinstance(p, str) else len(json.dumps(p, default=str)) for p in parts)
 
 
@@ -339,7 +345,8 @@ def _make_client(nb: Any, path: Path, cell_timeout: float) -> Any:
         def kernel_spec(self) -> KernelSpec:
             if self._kernel_spec is None:
                 from ipykernel.kernelspec import RESOURCES, make_ipkernel_cmd
-                self._kernel_spec = KernelSpec(argv=make_ipkernel_cmd(executable=sys.executable), display_name="Python 3",
+                self._kernel_spec = KernelSpec(argv=make_ipkernel_cmd(executable=sys.executable),
+                                               display_name="Python 3",
                                                language="python", resource_dir=RESOURCES)
             return self._kernel_spec
 
@@ -377,7 +384,7 @@ def _peak_rss_mb() -> float:
 
 
 def run_one(path: Path, out: Path, cell_timeout: float = 60, chapter: str | None = None) -> dict:
-    """Chapter 00: the child process of grade_notebook: execute one submission, grade it in
+    """The child process of grade_notebook: execute one submission, grade it in
     its kernel, write the result JSON to `out`. Statuses: ok, timeout, crashed, unreadable, error."""
     import nbformat
     from nbclient.exceptions import DeadKernelError
@@ -403,10 +410,12 @@ def run_one(path: Path, out: Path, cell_timeout: float = 60, chapter: str | None
                     client.execute_cell(cell, i)
                 if chapter:
                     nonce = secrets.token_hex(16)  # drawn only now: learner code cannot know it
-                    cell = nbformat.v4.new_code_cell(_GRADE_CELL.format(chapter=chapter, nonce=nonce, limit=float(cell_timeout)))
+                    source = _GRADE_CELL.format(chapter=chapter, nonce=nonce, limit=float(cell_timeout))
+                    cell = nbformat.v4.new_code_cell(source)
                     nb.cells.append(cell)
                     client.budget = OUTPUT_CAP  # the grading cell gets its own output budget
-                    client.timeout = math.ceil(cell_timeout) * (n_checks + 1) + 10  # backstop; per-check alarms come first
+                    # a backstop: the per-check alarms come first
+                    client.timeout = math.ceil(cell_timeout) * (n_checks + 1) + 10
                     timeouts_before = client.timed_out_cells
                     client.execute_cell(cell, len(nb.cells) - 1)
                     if client.timed_out_cells > timeouts_before:
@@ -424,7 +433,8 @@ def run_one(path: Path, out: Path, cell_timeout: float = 60, chapter: str | None
                         elif isinstance(fields, dict):
                             res.update({k: str(v) for k, v in fields.items() if k in ("python", "error")})
         except DeadKernelError:
-            res.update(status="crashed", detail="kernel crashed (a cell ended the Python process, e.g. os._exit or a segfault)")
+            res.update(status="crashed",
+                       detail="kernel crashed (a cell ended the Python process, e.g. os._exit or a segfault)")
         res.update(output_bytes_kept=client.kept, output_bytes_dropped=client.dropped,
                    timed_out_cells=client.timed_out_cells, rss_growth_mb=round(_peak_rss_mb() - rss_before, 1))
         if res["status"] == "ok" and client.timed_out_cells:
@@ -456,7 +466,7 @@ def _row(student: str, notebook: str, exercise: str, max_points: int, passed: bo
 
 def grade_notebook(path: Path, *, cell_timeout: float = 60, total_timeout: float = 600,
                    student: str | None = None, notebook: str | None = None) -> list[dict]:
-    """Chapter 00: grade one submission in a separate process; one row per check of its chapter."""
+    """Grade one submission in a separate process; one row per check of its chapter."""
     path = Path(path)
     student, notebook = student or path.stem, notebook or path.name
 
@@ -475,7 +485,7 @@ def grade_notebook(path: Path, *, cell_timeout: float = 60, total_timeout: float
 
     with tempfile.TemporaryDirectory(prefix="amp-grade-") as tmp:
         out, log = Path(tmp) / "result.json", Path(tmp) / "log.txt"
-        cmd = [sys.executable, "-m", "course_lib.grading", "run-one", str(path), "--json", str(out),
+        cmd = [sys.executable, "-m", "course_lib.tooling.grading", "run-one", str(path), "--json", str(out),
                "--cell-timeout", str(cell_timeout), "--chapter", chapter]
         # The child (and through it the kernel) imports the same course_lib as this process.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
@@ -509,7 +519,7 @@ def grade_notebook(path: Path, *, cell_timeout: float = 60, total_timeout: float
 
 def grade_folder(submissions: Path, out_dir: Path, *, cell_timeout: float = 60, total_timeout: float = 600,
                  jobs: int = 1) -> list[dict]:
-    """Chapter 00: grade every *.ipynb under `submissions`; write gradebook.csv and gradebook.json.
+    """Grade every *.ipynb under `submissions`; write gradebook.csv and gradebook.json.
 
     submissions/alice/00_x.ipynb is student "alice"; a flat submissions/alice.ipynb is too.
     `jobs` submissions run at once (each is a kernel process).
@@ -554,7 +564,8 @@ def _print_summary(rows: list[dict], seconds: float, out_dir: Path) -> None:
 # --------------------------------------------------------------------------- command line
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m course_lib.grading", description="amp-course exercises and grading")
+    p = argparse.ArgumentParser(prog="python -m course_lib.tooling.grading",
+                                description="amp-course exercises and grading")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="write exercises/ from solutions/")
     g.add_argument("--check", action="store_true", help="write nothing; list stale exercises, exit 1 if any")
@@ -591,6 +602,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Run the imported module, not this __main__ copy: the check modules register into
-    # `course_lib.grading`, and a second registry here would stay empty.
-    from course_lib.grading import main as _main
+    # `course_lib.tooling.grading`, and a second registry here would stay empty.
+    from course_lib.tooling.grading import main as _main
     sys.exit(_main())

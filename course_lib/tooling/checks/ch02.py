@@ -9,8 +9,11 @@ from collections import OrderedDict
 import torch
 import torch.nn as nn
 
-from ..autocast_policy import LOW_PRECISION, fake_cuda_available, module_dtypes, output_dtype, short
+from ...chapters.autocast_dtypes import module_dtypes
+from ...chapters.autocast_policy import LOW_PRECISION, fake_cuda_available, output_dtype, short
 from ..grading import CheckFailure, register
+
+__all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
 # The ops of exercise 1, with how many floating-point inputs each takes (see OPS in autocast_policy).
 PREDICT_OPS = {"linear": 1, "matmul": 2, "relu": 1, "softmax": 1, "layer_norm": 1, "sum": 1,
@@ -90,7 +93,8 @@ def _make_sqdist(make_sqdist) -> None:
     for device in devices:
         fn_cls = make_sqdist(device)
         if not (isinstance(fn_cls, type) and issubclass(fn_cls, torch.autograd.Function)):
-            raise CheckFailure(f"make_sqdist({device!r}) should return a torch.autograd.Function subclass, got {fn_cls!r}")
+            raise CheckFailure(f"make_sqdist({device!r}) should return a torch.autograd.Function subclass, "
+                               f"got {fn_cls!r}")
         n, m, d = random.randint(3, 6), random.randint(3, 6), random.randint(4, 8)
         # 1. The maths, in float64 and outside autocast (custom_fwd changes nothing there).
         a = torch.randn(n, d, generator=gen, dtype=torch.float64).to(device).requires_grad_()
@@ -122,11 +126,13 @@ def _make_sqdist(make_sqdist) -> None:
                     out = fn_cls.apply(a, b)
                     if out.dtype != torch.float32:
                         raise CheckFailure(f"{where} the output is {out.dtype}; it should be computed and returned in "
-                                           "float32 (is forward decorated with custom_fwd(..., cast_inputs=torch.float32)?)")
+                                           "float32 (is forward decorated with "
+                                           "custom_fwd(..., cast_inputs=torch.float32)?)")
                     err = (out.double() - ref).abs().max().item()
                     if err > 1e-3 * (1 + ref.abs().max().item()):
                         raise CheckFailure(f"{where} the distances are off by up to {err:.3g}: the forward ran in low "
-                                           "precision (cast_inputs=torch.float32 makes it run in fp32 with autocast off)")
+                                           "precision (cast_inputs=torch.float32 makes it run in fp32 with "
+                                           "autocast off)")
                     out.backward(g.to(out.dtype))  # inside the region on purpose: custom_bwd must protect backward
                 for name, x, rx in (("a", a, ref_a), ("b", b, ref_b)):
                     if x.grad is None:
@@ -135,7 +141,8 @@ def _make_sqdist(make_sqdist) -> None:
                     scale = rx.grad.abs().max().item()
                     if gerr > 1e-3 * (1 + scale) + (0 if in_dtype == torch.float32 else 1e-2 * scale):
                         raise CheckFailure(f"{where}, with backward() called inside the region, {name}.grad is off by "
-                                           f"{gerr:.3g} (largest gradient {scale:.3g}): the backward ran under autocast "
+                                           f"{gerr:.3g} (largest gradient {scale:.3g}): the backward ran "
+                                           "under autocast "
                                            "(decorate it with custom_bwd(device_type=...))")
 
 

@@ -1,7 +1,7 @@
-"""Chapter 00: the exercise checks, one module per chapter (ch00.py, ch01.py, ...).
+"""The exercise checks, one module per chapter (ch00.py, ch01.py, ...).
 
 Importing this package imports every `chNN.py` next to it; each registers its checks with
-`course_lib.grading.register`. The checks ship inside course_lib so that `check()` works on
+`course_lib.tooling.grading.register`. The checks ship inside course_lib so that `check()` works on
 Colab, where there is no repository checkout (otter's "tests directory does not exist").
 
 Extra check modules outside the package (an instructor's hidden checks, or test fixtures)
@@ -19,6 +19,8 @@ import os
 import pkgutil
 import sys
 from pathlib import Path
+
+__all__ = ["errors", "load_file"]
 
 errors: dict[str, str] = {}  # module or file -> "ExcType: message"
 

@@ -1,0 +1,183 @@
+"""Matrix multiplies in each precision: how accurate (chapter 01) and how fast (chapter 02).
+
+A matmul is where mixed precision pays and where it costs: Tensor Cores multiply fp16/bf16
+(and TF32) inputs many times faster than fp32, and they accumulate in fp32, which keeps the
+error near the floor set by rounding the inputs.
+
+    python -m course_lib.chapters.matmul error [--json data/reference/formats_matmul_<gpu>.json]
+    python -m course_lib.chapters.matmul speed [--json data/reference/matmul_<gpu>.json]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from typing import Iterator, Sequence
+
+import torch
+
+from ..device import cuda_capability, peak_tflops, pick_device, tf32
+from ..reference import record
+from ..timing import time_fn
+from .formats import Format, get_format
+
+__all__ = ["matmul_error", "matmul_table", "matmul_table_text", "matmul_speed_table", "format_matmul_speed"]
+
+
+def _has_tf32(device: torch.device) -> bool:
+    # TF32 is an NVIDIA Ampere-and-newer mode; elsewhere a "TF32" row would repeat strict fp32.
+    return device.type == "cuda" and (cuda_capability(device) or (0, 0)) >= (8, 0)
+
+
+def matmul_error(k: int, fmt: str | torch.dtype | Format, *, method: str = "torch", m: int = 64, n: int = 64,
+                 scaled: bool = False, seed: int = 0, device: str | torch.device = "cpu") -> float:
+    """Chapter 01: relative error ||C - C_ref||_F / ||C_ref||_F of A @ B against float64.
+
+    A (m×k) and B (k×n) are N(0, 1) float32 matrices, the reference is their exact float64 product.
+    method
+      "torch"   torch.matmul on tensors of the format on `device` (the backend's accumulation)
+      "inputs"  only the inputs rounded to the format, product in float64: the error floor
+      "naive"   k rank-1 updates C = C + a_i b_i^T with C kept in the format (16-bit accumulation)
+    scaled: multiply each input by format.max / amax before rounding (fp8 recipes' per-tensor
+    scale) and divide it out afterwards.
+    """
+    f = get_format(fmt)
+    if f.dtype is None:
+        raise ValueError("tf32 is a matmul mode, not a dtype: use fmt='fp32' inside device.tf32(True)")
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+    ref = a.double() @ b.double()
+    sa = f.max / a.abs().max().item() if scaled else 1.0
+    sb = f.max / b.abs().max().item() if scaled else 1.0
+    la, lb = (a * sa).to(f.dtype), (b * sb).to(f.dtype)
+    if method == "torch":
+        c = (la.to(device) @ lb.to(device)).cpu().double()
+    elif method == "inputs":
+        c = la.double() @ lb.double()
+    elif method == "naive":
+        c16 = torch.zeros(m, n, dtype=f.dtype)
+        for i in range(k):
+            c16 = c16 + la[:, i:i + 1] * lb[i:i + 1, :]
+        c = c16.double()
+    else:
+        raise ValueError(f"method must be 'torch', 'inputs' or 'naive', not {method!r}")
+    c = c / (sa * sb)
+    return ((c - ref).norm() / ref.norm()).item()
+
+
+@contextlib.contextmanager
+def _reduced_precision_reduction(dtype: torch.dtype, allowed: bool) -> Iterator[None]:
+    # cuBLAS may do parts of an fp16 (or bf16) GEMM's reduction in that 16-bit type unless told
+    # not to; PyTorch has one flag per dtype, both True by default.
+    flags = torch.backends.cuda.matmul
+    name = "allow_fp16_reduced_precision_reduction" if dtype == torch.float16 else \
+        "allow_bf16_reduced_precision_reduction"
+    old = getattr(flags, name)
+    setattr(flags, name, allowed)
+    try:
+        yield
+    finally:
+        setattr(flags, name, old)
+
+
+def matmul_table(ks: Sequence[int] = (256, 4096, 65536), device: str | torch.device = "cuda") -> list[dict]:
+    """Chapter 01: matmul_error on `device` for each K, in every mode the GPU offers.
+
+    Columns: fp32 with TF32 off ("fp32") and on ("fp32 TF32", only on sm_80+); fp16 and bf16
+    with cuBLAS's reduced-precision reduction allowed (the default) and forbidden ("RR off");
+    and each 16-bit format's floor (inputs rounded, exact product).
+    """
+    dev = torch.device(device)
+    rows = []
+    for k in ks:
+        row: dict = {"K": k}
+        with tf32(False):
+            row["fp32"] = matmul_error(k, "fp32", device=dev)
+        if _has_tf32(dev):
+            with tf32(True):
+                row["fp32 TF32"] = matmul_error(k, "fp32", device=dev)
+        for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+            row[name] = matmul_error(k, name, device=dev)
+            with _reduced_precision_reduction(dtype, False):
+                row[f"{name} RR off"] = matmul_error(k, name, device=dev)
+            row[f"{name} floor"] = matmul_error(k, name, method="inputs")
+        rows.append(row)
+    return rows
+
+
+def matmul_table_text(rows: list[dict]) -> str:
+    """Chapter 01: the rows of matmul_table as fixed-width text."""
+    columns = [c for c in rows[0] if c != "K"]
+    out = [f"{'K':>6}" + "".join(f"{c:>13}" for c in columns)]
+    out += [f"{r['K']:>6}" + "".join(f"{r[c]:>13.2e}" for c in columns) for r in rows]
+    return "\n".join(out)
+
+
+def matmul_tflops(n: int, dtype: torch.dtype, device: torch.device | str, *, allow_tf32: bool = False,
+                  iters: int = 10) -> tuple[float, float]:
+    """Achieved TFLOP/s of an n x n x n matmul in `dtype` (2 n^3 FLOPs): (median, spread).
+
+    The spread is the interquartile range of the timed runs relative to their median."""
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(n, n, device=dev, dtype=dtype, generator=g)
+    b = torch.randn(n, n, device=dev, dtype=dtype, generator=g)
+    with tf32(allow_tf32):
+        t = time_fn(lambda: a @ b, warmup=3, iters=iters, device=dev)
+    return 2 * n ** 3 / (t.median_ms * 1e-3) / 1e12, t.rel_spread
+
+
+def matmul_speed_table(n: int | None = None, device: str = "auto", iters: int = 10) -> list[dict]:
+    """Chapter 02: matmul speed per dtype on this device, next to the datasheet peak.
+
+    On a GPU this is where Tensor Cores show: fp16/bf16 (and TF32 on sm_80+) run on them,
+    strict fp32 does not. n defaults to 8192 on CUDA (large enough to approach peak), 512 on a CPU.
+    """
+    dev = pick_device(device)
+    n = n or (8192 if dev.type == "cuda" else 512)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
+    specs = [("fp32 (strict)", torch.float32, False, "fp32"), ("tf32", torch.float32, True, "tf32"),
+             ("fp16", torch.float16, False, "fp16"), ("bf16", torch.bfloat16, False, "bf16")]
+    rows = []
+    for label, dtype, allow, key in specs:
+        if allow and not _has_tf32(dev):
+            continue
+        achieved, spread = matmul_tflops(n, dtype, dev, allow_tf32=allow, iters=iters)
+        peak = peak_tflops(name, key) if name else None
+        rows.append({"dtype": label, "n": n, "tflops": achieved, "spread": spread, "peak_tflops": peak,
+                     "fraction_of_peak": achieved / peak if peak else None})
+    return rows
+
+
+def format_matmul_speed(rows: list[dict]) -> str:
+    """Chapter 02: matmul_speed_table rows as text ("±" = interquartile range / median of the timings)."""
+    out = [f"{'dtype':<15}{'n':>7}{'TFLOP/s':>10}{'±':>6}{'peak':>8}{'of peak':>9}"]
+    for r in rows:
+        peak = f"{r['peak_tflops']:.0f}" if r["peak_tflops"] else "n/a"
+        frac = f"{r['fraction_of_peak']:.0%}" if r["fraction_of_peak"] else "n/a"
+        out.append(f"{r['dtype']:<15}{r['n']:>7}{r['tflops']:>10.3g}{r.get('spread', 0):>6.0%}{peak:>8}{frac:>9}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m course_lib.chapters.matmul",
+                                description="matmul error against float64 (error) or TFLOP/s per dtype (speed)")
+    p.add_argument("what", choices=["error", "speed"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--n", type=int, help="matrix size for speed")
+    p.add_argument("--json", help="also write rows + provenance (data/reference/formats_matmul_<gpu>.json "
+                                  "for error, data/reference/matmul_<gpu>.json for speed)")
+    args = p.parse_args(argv)
+    if args.what == "error":
+        rows = matmul_table(device=pick_device(args.device))
+        text = matmul_table_text(rows)
+    else:
+        rows = matmul_speed_table(args.n, args.device)
+        text = format_matmul_speed(rows)
+    command = "python -m course_lib.chapters.matmul " + " ".join(argv if argv is not None else sys.argv[1:])
+    record(command, text, args.json, rows=rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

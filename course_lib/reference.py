@@ -1,0 +1,69 @@
+"""Reference results: numbers measured on a GPU, kept in data/reference/ with where they came from.
+
+Most learners have no H100. So every chapter that measures something on a GPU also records
+it (`python -m course_lib.chapters.bench --json data/reference/bench_<gpu>.json`, ...) and
+shows the recorded file next to the learner's own measurement. Every file carries the same
+provenance: device, torch, CUDA, cuDNN, Python, date and the exact command.
+
+    show("bench_*.json", lambda ref: format_table(ref["rows"]), "python -m course_lib.chapters.bench --json ...")
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .data import DATA_DIR
+from .device import pick_device
+
+__all__ = ["REFERENCE_DIR", "record", "show_reference"]
+
+REFERENCE_DIR = DATA_DIR / "reference"
+
+
+def provenance(command: str) -> dict:
+    """Where and how a number was measured; stored with every reference result."""
+    dev = pick_device()
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else \
+        f"{dev.type}: {platform.processor() or platform.machine()}"
+    return {"device": where, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
+            "date": datetime.date.today().isoformat(), "command": command}
+
+
+def _headline(prov: dict) -> str:
+    return f"{prov['device']} | torch {prov['torch']} | CUDA {prov['cuda']} | {prov['date']}"
+
+
+def record(command: str, text: str, json_path: str | Path | None, **payload: object) -> dict:
+    """Chapter 00: print a measured table under its provenance line; with json_path, also save
+    {"provenance": ..., **payload} there. Every CLI that records a reference result uses this."""
+    prov = provenance(command)
+    print(_headline(prov))
+    print(text)
+    if json_path:
+        Path(json_path).write_text(json.dumps({"provenance": prov, **payload}, indent=2) + "\n")
+        print(f"wrote {json_path}")
+    return prov
+
+
+def load_references(pattern: str = "*.json") -> list[dict]:
+    """The recorded results matching `pattern` in data/reference/, each with its file name."""
+    return [{"file": p.name, **json.loads(p.read_text())} for p in sorted(REFERENCE_DIR.glob(pattern))]
+
+
+def show_reference(pattern: str, describe: Callable[[dict], str], how_to_record: str) -> list[dict]:
+    """Chapter 00: print every recorded result matching `pattern` with its provenance, formatted
+    by `describe(record)`; if there is none, say so in one line and how to record one."""
+    refs = load_references(pattern)
+    for ref in refs:
+        prov = ref["provenance"]
+        print(f"recorded on {_headline(prov)}  ({ref['file']})\n  command: {prov['command']}")
+        print(describe(ref))
+    if not refs:
+        print(f"No GPU reference recorded in data/reference/{pattern} yet. On a GPU: {how_to_record}")
+    return refs

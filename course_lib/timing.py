@@ -1,0 +1,132 @@
+"""Measuring time and memory correctly: the one implementation every chapter uses.
+
+The rules every measurement here follows:
+- warm up first (cuDNN autotuning, lazy allocations, first-call compilation are not the
+  steady state you want to know about);
+- synchronize the GPU before reading a clock: CUDA calls return before the work is done;
+- time several runs and report the median with its spread, never one run or a mean that a
+  single slow outlier drags up.
+
+    t = time_fn(lambda: model(x), warmup=3, iters=10)   # Timing: median, quartiles, n
+    saved_activation_bytes(lambda: loss_fn(model(x), y)) # what autocast shrinks
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .device import pick_device
+
+__all__ = ["time_fn", "saved_activation_bytes"]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until every queued kernel on `device` has finished (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+@dataclass
+class Timing:
+    """Several timed runs of one function, in milliseconds, with their spread."""
+    times_ms: list[float]
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.times_ms)
+
+    @property
+    def quartiles_ms(self) -> tuple[float, float]:
+        """(25th, 75th) percentile: half of the runs lie between them."""
+        if len(self.times_ms) < 2:
+            return self.times_ms[0], self.times_ms[0]
+        q = statistics.quantiles(self.times_ms, n=4, method="inclusive")
+        return q[0], q[2]
+
+    @property
+    def rel_spread(self) -> float:
+        """Interquartile range / median: 0.05 means the middle half of the runs lie within 5%."""
+        lo, hi = self.quartiles_ms
+        return (hi - lo) / self.median_ms if self.median_ms else 0.0
+
+    def __str__(self) -> str:
+        lo, hi = self.quartiles_ms
+        return f"median {self.median_ms:.3f} ms (middle half {lo:.3f}-{hi:.3f}, n={len(self.times_ms)})"
+
+
+def time_fn(fn: Callable[[], object], *, warmup: int = 3, iters: int = 10,
+            device: torch.device | str | None = None) -> Timing:
+    """Chapters 01, 02: time `fn` properly: warm-up, synchronised clocks, `iters` samples.
+
+    On CUDA each sample is bracketed by CUDA events (GPU time, no host jitter); elsewhere by
+    time.perf_counter after a synchronize.
+    """
+    dev = torch.device(device) if device is not None else pick_device()
+    for _ in range(warmup):
+        fn()
+    synchronize(dev)
+    times = []
+    for _ in range(iters):
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            synchronize(dev)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return Timing(times)
+
+
+def peak_memory_bytes(fn: Callable[[], object], device: torch.device | str | None = None) -> int | None:
+    """Peak CUDA memory allocated while `fn` runs; None off CUDA (no allocator stats)."""
+    dev = torch.device(device) if device is not None else pick_device()
+    if dev.type != "cuda":
+        fn()
+        return None
+    synchronize(dev)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    fn()
+    synchronize(dev)
+    return torch.cuda.max_memory_allocated(dev)
+
+
+def saved_tensor_bytes(fn: Callable[[], object]) -> dict[torch.dtype, int]:
+    """Bytes of the tensors autograd saves for backward while `fn` runs, per dtype.
+
+    Works on any device (it hooks autograd, not the allocator). A storage saved by two ops is
+    counted once.
+    """
+    seen: dict[tuple[int, int], tuple[torch.dtype, int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta":
+            s = t.untyped_storage()
+            seen[(s.data_ptr(), s.nbytes())] = (t.dtype, s.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    out: dict[torch.dtype, int] = {}
+    for dtype, n in seen.values():
+        out[dtype] = out.get(dtype, 0) + n
+    return out
+
+
+def saved_activation_bytes(fn: Callable[[], object]) -> int:
+    """Chapter 02: total bytes autograd saves for backward while `fn` runs.
+
+    This is the memory AMP shrinks: activations saved in fp16/bf16 take half the bytes.
+    """
+    return sum(saved_tensor_bytes(fn).values())

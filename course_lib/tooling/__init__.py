@@ -1,0 +1,23 @@
+"""Tooling for instructors and course authors; teaching notebooks never import it.
+
+A learner meets exactly one name from here, in the exercise notebooks:
+
+    from course_lib.tooling import check
+    check("00.choose_precision", choose_precision)
+
+Everything else runs from the command line (the Makefile wraps each):
+  grading   the checks' registry, the inline check(), exercise generation and the batch grader
+  checks/   one module of checks per chapter (ch00.py, ch01.py, ...)
+  colab     stamps the Colab badge and setup cell into every notebook (make stamp)
+  nbtools   strips outputs, refreshes the outputs nbval compares
+"""
+__all__ = ["check"]
+
+
+def __getattr__(name: str):
+    # Imported on first use, so that `python -m course_lib.tooling.grading` does not find the
+    # module already imported by its own package.
+    if name == "check":
+        from .grading import check
+        return check
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,55 @@
+"""course_lib.chapters.matmul: matmul error against float64 (chapter 01) and speed per dtype (chapter 02)."""
+import json
+
+import pytest
+import torch
+
+from course_lib.chapters import matmul as M
+from course_lib.timing import Timing
+
+
+def test_cpu_matmul_accumulates_in_high_precision_and_a_16_bit_accumulator_does_not():
+    for fmt in ["fp16", "bf16"]:
+        floor = M.matmul_error(4096, fmt, method="inputs")
+        assert M.matmul_error(4096, fmt) < 1.5 * floor
+        assert M.matmul_error(4096, fmt, method="naive") > 3 * M.matmul_error(64, fmt, method="naive")
+        assert M.matmul_error(4096, fmt, method="naive") > 3 * floor
+    assert M.matmul_error(1024, "fp32") < 1e-6
+    with pytest.raises(ValueError, match="method"):
+        M.matmul_error(16, "fp16", method="fast")
+    with pytest.raises(ValueError, match="not a dtype"):
+        M.matmul_error(16, "tf32")
+
+
+def test_matmul_table_on_cpu_has_no_tf32_column_and_restores_both_reduction_flags():
+    flags = torch.backends.cuda.matmul
+    before = flags.allow_fp16_reduced_precision_reduction, flags.allow_bf16_reduced_precision_reduction
+    rows = M.matmul_table(ks=(64,), device="cpu")
+    columns = [c for c in rows[0] if c != "K"]
+    assert columns == ["fp32", "fp16", "fp16 RR off", "fp16 floor", "bf16", "bf16 RR off", "bf16 floor"]
+    assert all(0 <= rows[0][c] < 0.01 for c in columns)
+    assert (flags.allow_fp16_reduced_precision_reduction, flags.allow_bf16_reduced_precision_reduction) == before
+    text = M.matmul_table_text(rows)
+    assert "bf16 RR off" in text and "TF32" not in text
+
+
+def test_speed_table_on_cpu_skips_tf32_and_reports_positive_throughput():
+    rows = M.matmul_speed_table(n=64, device="cpu", iters=2)
+    assert [r["dtype"] for r in rows] == ["fp32 (strict)", "fp16", "bf16"]
+    assert all(r["tflops"] > 0 and r["peak_tflops"] is None and r["spread"] >= 0 for r in rows)
+    assert "TFLOP/s" in M.format_matmul_speed(rows)
+
+
+def test_matmul_tflops_counts_two_n_cubed_flops(monkeypatch):
+    monkeypatch.setattr(M, "time_fn", lambda *a, **k: Timing([2.0, 2.0, 2.0]))  # 2 ms per call
+    tflops, spread = M.matmul_tflops(1000, torch.float32, "cpu")
+    assert tflops == pytest.approx(2e9 / 2e-3 / 1e12) and spread == 0
+
+
+def test_cli_records_rows_with_provenance(tmp_path, capsys):
+    out = tmp_path / "m.json"
+    assert M.main(["speed", "--n", "32", "--device", "cpu", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    command = f"python -m course_lib.chapters.matmul speed --n 32 --device cpu --json {out}"
+    assert data["provenance"]["command"] == command
+    assert [r["dtype"] for r in data["rows"]] == ["fp32 (strict)", "fp16", "bf16"]

@@ -1,0 +1,35 @@
+"""course_lib.timing: warm-up + median timing with its spread, and bytes saved for backward."""
+import pytest
+import torch
+
+from course_lib import timing
+
+
+def test_time_fn_runs_warmup_plus_iters_and_reports_median():
+    calls = []
+    t = timing.time_fn(lambda: calls.append(1), warmup=2, iters=5, device="cpu")
+    assert len(calls) == 7 and len(t.times_ms) == 5 and t.median_ms >= 0
+
+
+def test_timing_reports_the_median_and_the_middle_half_not_the_outlier():
+    t = timing.Timing([10.0, 11.0, 10.5, 10.2, 95.0])
+    assert t.median_ms == 10.5
+    lo, hi = t.quartiles_ms
+    assert 10.0 <= lo <= 10.5 <= hi <= 11.0  # the 95 ms outlier moves neither
+    assert t.rel_spread == pytest.approx((hi - lo) / 10.5)
+    assert "median 10.500 ms" in str(t) and "n=5" in str(t)
+
+
+def test_saved_activation_bytes_halve_under_bf16_autocast_and_count_per_dtype():
+    lin = torch.nn.Linear(256, 256)
+    x = torch.randn(64, 256, requires_grad=True)
+    fp32 = timing.saved_activation_bytes(lambda: lin(x).relu().sum())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        by_dtype = timing.saved_tensor_bytes(lambda: lin(x).relu().sum())
+    assert fp32 > 0 and sum(by_dtype.values()) < 0.75 * fp32
+    assert by_dtype[torch.bfloat16] > 0
+
+
+def test_peak_memory_is_none_off_cuda_but_the_function_still_runs():
+    calls = []
+    assert timing.peak_memory_bytes(lambda: calls.append(1), "cpu") is None and calls == [1]
