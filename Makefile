@@ -5,10 +5,11 @@ PYTHON ?= python3
 VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
-# pytest arguments shared by the CPU and the GPU tier: library tests + every teaching and
-# solution notebook executed by nbval (stored outputs compared only in nbval-check-output cells).
+# pytest arguments shared by the CPU and the GPU tier: library tests + every teaching, solution
+# and exercise notebook executed by nbval cell by cell, as Run All would (stored outputs are
+# compared only in nbval-check-output cells; conftest.py hides CUDA in the CPU tier).
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=600
-SUITE  := tests notebooks solutions
+SUITE  := tests notebooks solutions exercises
 LAB_ARGS ?=
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
@@ -38,8 +39,12 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# Rooted at the repository, so the file browser and the chapters' links reach exercises/,
+# solutions/, course_lib/ and data/; it opens on chapter 00. (Passing the notebook as an
+# argument instead would root JupyterLab at notebooks/.)
 lab: $(STAMP)
-	$(VPY) -m jupyter lab $(LAB_ROOT) $(LAB_ARGS) notebooks/00_setup.ipynb
+	$(VPY) -m jupyter lab $(LAB_ROOT) --ServerApp.root_dir="$(CURDIR)" \
+	  --LabApp.default_url=/lab/tree/notebooks/00_setup.ipynb $(LAB_ARGS)
 
 test: $(STAMP)
 	$(VPY) -m course_lib.device

@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 
 __all__ = ["PrecisionError", "Recommendation", "pick_device", "tensor_core_generation", "cpu_bf16_flags",
-           "has_native_bf16", "recommend_precision", "hardware_report", "tf32"]
+           "has_native_bf16", "recommend_precision", "hardware_report", "gpu_cell", "tf32"]
 
 # Tensor Core generations by compute capability (major, minor). Before Volta there are none.
 _TENSOR_CORES = [
@@ -214,6 +214,22 @@ def hardware_report(device: torch.device | str | None = None) -> str:
         ]
     lines.append(f"recommended precision: {recommend_precision(dev)}")
     return "\n".join(lines)
+
+
+def gpu_cell(what: str, instead: str = "the next cell shows the result recorded on a GPU") -> bool:
+    """Chapter 00: the guard at the top of every cell tagged `gpu`: `if gpu_cell("..."):`.
+
+    True where a CUDA GPU is present. Elsewhere it prints one line (what the cell would have
+    run, and where to look instead) and returns False, so Run All goes on, in JupyterLab,
+    Colab and nbconvert alike. In the GPU test tier (COURSE_GPU_TIER=1) a missing GPU is an
+    error instead: that tier must not pass by skipping what it exists to run.
+    """
+    if torch.cuda.is_available():
+        return True
+    if os.environ.get("COURSE_GPU_TIER") == "1":
+        raise RuntimeError(f"GPU tier (COURSE_GPU_TIER=1) but no CUDA GPU here; cannot run: {what}")
+    print(f"[needs a CUDA GPU, none here] {what}; {instead}.")
+    return False
 
 
 # --------------------------------------------------------------------------- peaks and TF32

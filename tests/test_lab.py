@@ -1,6 +1,7 @@
-"""`make lab` really starts JupyterLab: start it headless and ask its REST API."""
+"""`make lab` really starts JupyterLab at the repository root, opening chapter 00."""
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -8,39 +9,67 @@ import time
 import urllib.request
 from pathlib import Path
 
+import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted(p for d in ("notebooks", "exercises", "solutions") for p in (ROOT / d).glob("*.ipynb"))
 
 
 @pytest.mark.skipif(not (ROOT / ".venv" / ".installed-stamp").exists() or os.environ.get("COURSE_GPU_TIER") == "1",
                     reason="make lab bootstraps .venv; this run has none (GPU tier or a foreign environment)")
-def test_make_lab_starts_jupyterlab_and_serves_the_course(tmp_path):
+def test_make_lab_serves_the_whole_course_from_the_repository_root(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     token = "course-test"
-    args = (f"--no-browser --port={port} --ip=127.0.0.1 --IdentityProvider.token={token} "
-            f"--ServerApp.root_dir={ROOT}")
+    # Only what a headless test needs: no root_dir here, so the Makefile's own choice is tested.
+    args = f"--no-browser --port={port} --ip=127.0.0.1 --IdentityProvider.token={token}"
     env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path), "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg")}
     proc = subprocess.Popen(["make", "-s", "lab", f"LAB_ARGS={args}"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def get(path: str):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}?token={token}", timeout=5) as r:
+            return r.status, r.read()
+
     try:
-        deadline, status = time.monotonic() + 90, None
+        deadline, root = time.monotonic() + 90, None
         while time.monotonic() < deadline and proc.poll() is None:
             try:
-                url = f"http://127.0.0.1:{port}/api/contents/notebooks?token={token}"
-                with urllib.request.urlopen(url, timeout=5) as r:
-                    status = json.load(r)
+                root = json.loads(get("/api/contents")[1])
                 break
             except OSError:
                 time.sleep(1)
         output = proc.stdout.read1().decode() if proc.poll() is not None else ""
-        assert status is not None, f"JupyterLab did not answer; output:\n{output}"
-        names = {item["name"] for item in status["content"]}
-        assert "00_setup.ipynb" in names
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/lab?token={token}", timeout=10) as r:
-            assert r.status == 200 and b"JupyterLab" in r.read()
+        assert root is not None, f"JupyterLab did not answer; output:\n{output}"
+        names = {item["name"] for item in root["content"]}
+        assert {"notebooks", "exercises", "solutions", "course_lib", "data", "README.md"} <= names
+        listing = json.loads(get("/api/contents/exercises")[1])
+        assert "00_setup_exercises.ipynb" in {item["name"] for item in listing["content"]}
+        status, page = get("/lab")
+        assert status == 200 and b"JupyterLab" in page
+        # the page it opens on is chapter 00 (LabApp.default_url)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/?token={token}", timeout=10) as r:
+            assert r.url.split("?")[0].endswith("/lab/tree/notebooks/00_setup.ipynb")
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_relative_link_in_a_notebook_resolves_to_a_file_in_the_repository(path):
+    broken = []
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.cell_type != "markdown":
+            continue
+        for target in LINK.findall(cell.source):
+            if re.match(r"^[a-z]+:|^#", target):
+                continue  # web links and anchors
+            resolved = (path.parent / target.split("#")[0]).resolve()
+            if not resolved.exists() or ROOT not in resolved.parents:
+                broken.append(target)
+    assert not broken, f"{path.name}: links that lead nowhere in the repository: {broken}"

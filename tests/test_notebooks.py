@@ -94,6 +94,18 @@ def _names(source: str, ctx) -> set[str]:
 
 
 @pytest.mark.parametrize("path", ALL, ids=ids(ALL))
+def test_gpu_cells_guard_themselves(path):
+    """Only imports, then one `if gpu_cell(...):` holding everything else: off CUDA the cell prints one line."""
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.cell_type != "code" or "gpu" not in cell.metadata.get("tags", []):
+            continue
+        body = [s for s in ast.parse(cell.source).body if not isinstance(s, (ast.Import, ast.ImportFrom))]
+        guard = body[0].test if len(body) == 1 and isinstance(body[0], ast.If) else None
+        assert isinstance(guard, ast.Call) and getattr(guard.func, "id", None) == "gpu_cell" and not body[0].orelse, \
+            f"gpu cell {cell.id} must be `if gpu_cell(...):` around all of its code:\n{cell.source}"
+
+
+@pytest.mark.parametrize("path", ALL, ids=ids(ALL))
 def test_gpu_cells_are_leaves(path):
     """A name defined only in a `gpu` cell must not be used later: without a GPU it would not exist."""
     cells = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
