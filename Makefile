@@ -23,7 +23,7 @@ help:
 	@echo "make bench      FP32 / TF32 / AMP table for this machine (python -m course_lib.chapters.bench)"
 	@echo "make exercises  regenerate exercises/ from solutions/"
 	@echo "make stamp      write the Colab badge and setup cell (from pyproject.toml) into every notebook"
-	@echo "make grade SUBMISSIONS=dir [GRADEBOOK=dir]   grade a folder of submitted notebooks"
+	@echo "make grade SUBMISSIONS=dir [GRADEBOOK=dir] [JOBS=n]   grade a folder of submissions (resumes)"
 
 # The install is redone only when pyproject.toml changes. torch and torchvision are floors:
 # pip picks a pair that imports (a fresh venv gets the newest matching pair).
@@ -31,6 +31,10 @@ $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q -e ".[lab,test]"
+	@# The course works offline: JupyterLab neither asks to fetch news nor checks for updates.
+	@mkdir -p $(VENV)/share/jupyter/lab/settings
+	@echo '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false}}' \
+	  > $(VENV)/share/jupyter/lab/settings/overrides.json
 	@$(VPY) -c "import torch; print('installed torch', torch.__version__)"
 	@# torchvision is needed only for the ResNet models; a mismatched pair must not stop the course.
 	@$(VPY) -c "import torchvision; print('installed torchvision', torchvision.__version__)" 2>/dev/null || \
@@ -44,7 +48,8 @@ venv: $(STAMP)
 # argument instead would root JupyterLab at notebooks/.)
 lab: $(STAMP)
 	$(VPY) -m jupyter lab $(LAB_ROOT) --ServerApp.root_dir="$(CURDIR)" \
-	  --LabApp.default_url=/lab/tree/notebooks/00_setup.ipynb $(LAB_ARGS)
+	  --LabApp.default_url=/lab/tree/notebooks/00_setup.ipynb \
+	  --LabApp.news_url=None --LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate $(LAB_ARGS)
 
 test: $(STAMP)
 	$(VPY) -m course_lib.device
@@ -60,15 +65,17 @@ bench: $(STAMP)
 	$(VPY) -m course_lib.chapters.bench
 
 exercises: $(STAMP)
-	$(VPY) -m course_lib.tooling.grading generate
+	$(VPY) -m course_lib.tooling.exercises
 
 stamp: $(STAMP)
 	$(VPY) -m course_lib.tooling.colab stamp
 
 SUBMISSIONS ?= submissions
 GRADEBOOK   ?= gradebook
+JOBS        ?= 2
+# Each submission runs sandboxed; the gradebook grows task by task and a rerun resumes.
 grade: $(STAMP)
-	$(VPY) -m course_lib.tooling.grading grade $(SUBMISSIONS) --out $(GRADEBOOK)
+	$(VPY) -m course_lib.tooling.grader $(SUBMISSIONS) --out $(GRADEBOOK) --jobs $(JOBS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs gradebook

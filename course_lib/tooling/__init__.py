@@ -6,10 +6,14 @@ A learner meets exactly one name from here, in the exercise notebooks:
     check("00.choose_precision", choose_precision)
 
 Everything else runs from the command line (the Makefile wraps each):
-  grading   the checks' registry, the inline check(), exercise generation and the batch grader
-  checks/   one module of checks per chapter (ch00.py, ch01.py, ...)
-  colab     stamps the Colab badge and setup cell into every notebook (make stamp)
-  nbtools   strips outputs, refreshes the outputs nbval compares
+  grading    how a check is written (cases / run / judge), the inline check()
+  checks/    one module of checks per chapter (ch00.py, ch01.py, ...)
+  grader     the batch grader: a folder of submissions in, a gradebook out (make grade)
+  sandbox    where a submission runs: namespaces, or a session with limits
+  runner     what runs inside the sandbox: the notebook, then the learner's side of each check
+  exercises  exercises/ generated from solutions/ (make exercises)
+  colab      stamps the Colab badge and setup cell into every notebook (make stamp)
+  nbtools    strips outputs, refreshes the outputs nbval compares
 """
 __all__ = ["check"]
 

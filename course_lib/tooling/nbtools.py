@@ -15,9 +15,10 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-__all__ = ["keeps_output", "strip", "refresh"]
+__all__ = ["keeps_output", "strip", "refresh", "without_widget_views"]
 
 CHECK_TAG = "nbval-check-output"
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
 def keeps_output(cell: nbformat.NotebookNode) -> bool:
@@ -25,9 +26,26 @@ def keeps_output(cell: nbformat.NotebookNode) -> bool:
     return cell.cell_type == "code" and CHECK_TAG in cell.get("metadata", {}).get("tags", [])
 
 
-def strip(nb: nbformat.NotebookNode) -> bool:
-    """Remove outputs and counts from every cell that nbval does not compare."""
+def without_widget_views(nb: nbformat.NotebookNode) -> bool:
+    """Drop, from every output, the widget views whose model is not saved in the notebook's metadata
+    (opened before running, JupyterLab would show "model not found" instead of the output's other
+    representations, which stay). True if any went."""
+    state = nb.get("metadata", {}).get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {})
+    saved = state.get("state", {})
     changed = False
+    for cell in nb.get("cells", []):
+        for out in cell.get("outputs", []):
+            view = out.get("data", {}).get(WIDGET_VIEW)
+            if view is not None and view.get("model_id") not in saved:
+                del out["data"][WIDGET_VIEW]
+                changed = True
+    return changed
+
+
+def strip(nb: nbformat.NotebookNode) -> bool:
+    """Remove outputs and counts from every cell that nbval does not compare, and widget views
+    whose model is not saved."""
+    changed = without_widget_views(nb)
     for cell in nb.cells:
         if cell.get("metadata", {}).pop("execution", None) is not None:
             changed = True  # nbclient's per-cell timestamps: noise in every diff

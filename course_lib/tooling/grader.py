@@ -1,0 +1,408 @@
+"""The batch grader: a folder of submitted notebooks in, a gradebook out.
+
+    python -m course_lib.tooling.grader SUBMISSIONS --out GRADEBOOK [--jobs N]      (make grade)
+
+For every submission, this process draws fresh inputs for each task of its chapter, runs the
+notebook and then the learner's functions in a sandbox (course_lib.tooling.sandbox), and judges
+the plain-data answers that come back against references it computes itself
+(course_lib.tooling.grading). What defends what is written in the README, "For instructors".
+
+- The file name is the slot: `NN_...ipynb` is graded with chapter NN's checks, whatever its
+  metadata says. A student's second notebook for the same chapter is listed as a duplicate.
+- Nothing earned is lost: each task's row is appended to GRADEBOOK/gradebook.jsonl (and synced)
+  the moment it is judged, so a crash, hang or interrupt later in the notebook costs only the
+  tasks not judged yet. gradebook.csv and gradebook.json are rewritten after every submission.
+- Resumable: a rerun skips submissions already finished in gradebook.jsonl; if the grader itself
+  is killed, at most the submissions in flight are graded again (--restart starts afresh).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import sandbox
+from .grading import Check, checks_for, judge_response
+from .runner import code_cells
+
+__all__ = ["grade_folder", "find_submissions", "main"]
+
+ROOT = Path(__file__).resolve().parents[2]
+CSV_FIELDS = ("student", "notebook", "exercise", "points", "max_points", "passed", "status", "message")
+MAX_RESPONSE_LINE = 64 * 2**20  # bytes: the largest answer a kernel may send for one task
+
+
+@dataclass(frozen=True)
+class Submission:
+    path: Path
+    notebook: str        # path relative to the submissions folder: the submission's identity
+    student: str
+    chapter: str | None  # from the file name only
+    counted_instead: str | None = None  # set for a duplicate: the notebook graded in its place
+
+
+def find_submissions(folder: Path) -> list[Submission]:
+    """Every notebook under `folder`: submissions/alice/01_x.ipynb is alice's; a flat alice.ipynb too."""
+    folder = Path(folder)
+    paths = sorted(p for p in folder.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts and p.is_file())
+    subs = []
+    for p in paths:
+        rel = p.relative_to(folder)
+        m = re.match(r"(\d{2})_", p.name)
+        subs.append(Submission(p, rel.as_posix(), rel.parts[0] if len(rel.parts) > 1 else p.stem,
+                               m.group(1) if m else None))
+    official = {p.name for p in (ROOT / "exercises").glob("*.ipynb")}
+    by_slot: dict[tuple[str, str], list[Submission]] = {}
+    for s in subs:
+        if s.chapter:
+            by_slot.setdefault((s.student, s.chapter), []).append(s)
+    out = []
+    for s in subs:
+        group = by_slot.get((s.student, s.chapter), [s])
+        winner = next((g for g in group if g.path.name in official), group[0])
+        out.append(s if s is winner else Submission(s.path, s.notebook, s.student, s.chapter, winner.notebook))
+    return out
+
+
+def _row(sub: Submission, check: Check | None, passed: bool, status: str, message: str) -> dict:
+    points = check.points if check else 0
+    return {"student": sub.student, "notebook": sub.notebook, "exercise": check.name if check else "",
+            "points": points if passed else 0, "max_points": points, "passed": passed, "status": status,
+            "message": message}
+
+
+class Gradebook:
+    """gradebook.jsonl is the record: one line per judged task, then one 'done' line per submission."""
+
+    def __init__(self, out_dir: Path, restart: bool) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.journal = self.out_dir / "gradebook.jsonl"
+        if restart and self.journal.exists():
+            self.journal.unlink()
+        self.lock = threading.Lock()
+        pending: dict[str, list[dict]] = {}
+        self.finished: dict[str, list[dict]] = {}
+        for line in self.journal.read_text().splitlines() if self.journal.exists() else []:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a killed grader
+            key = (entry.get("submission"), entry.get("run"))
+            if entry.get("kind") == "row":
+                pending.setdefault(json.dumps(key), []).append(entry["row"])
+            elif entry.get("kind") == "done":
+                self.finished[entry["submission"]] = pending.pop(json.dumps(key), [])
+
+    def _append(self, entry: dict) -> None:
+        with self.lock, open(self.journal, "a") as f:
+            f.write(json.dumps(entry, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def record(self, sub: Submission, run: str, row: dict) -> None:
+        self._append({"kind": "row", "submission": sub.notebook, "run": run, "row": row})
+
+    def finish(self, sub: Submission, run: str, rows: list[dict]) -> None:
+        self._append({"kind": "done", "submission": sub.notebook, "run": run})
+        with self.lock:
+            self.finished[sub.notebook] = rows
+            self._write_tables()
+
+    def _write_tables(self) -> None:
+        rows = [r for sub in sorted(self.finished) for r in self.finished[sub]]
+        tmp = self.out_dir / ".gradebook.csv.tmp"
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, self.out_dir / "gradebook.csv")
+        tmp = self.out_dir / ".gradebook.json.tmp"
+        tmp.write_text(json.dumps(rows, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        os.replace(tmp, self.out_dir / "gradebook.json")
+
+
+def _course_digest() -> str:
+    """A hash of what a submission must never change: the library, the shipped data, the config."""
+    h = hashlib.sha256()
+    files = sorted([*(ROOT / "course_lib").rglob("*.py"), *(ROOT / "data").glob("*.npz"), ROOT / "pyproject.toml"])
+    for p in files:
+        h.update(p.relative_to(ROOT).as_posix().encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+class _Responses:
+    """Reads whole lines appended to responses.jsonl as they arrive; ignores what is not valid JSON."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.buffer = path, 0, b""
+
+    def new(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read(MAX_RESPONSE_LINE + 1)
+        except OSError:
+            return []
+        self.offset += len(chunk)
+        self.buffer += chunk
+        out = []
+        while b"\n" in self.buffer:
+            line, self.buffer = self.buffer.split(b"\n", 1)
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                out.append(value)
+        if len(self.buffer) > MAX_RESPONSE_LINE:
+            self.buffer = b""  # an endless line is not an answer
+        return out
+
+
+def _events(io: Path) -> list[dict]:
+    try:
+        lines = (io / "status.jsonl").read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            out.append(value)
+    return out
+
+
+def _unanswered(check: Check, events: list[dict], total_timeout: float, ran_out: bool) -> tuple[str, str]:
+    """Why a task got no answer, in words a student understands (from the runner's untrusted log)."""
+    mine = next((e for e in events if e.get("event") == "check" and e.get("name") == check.name), None)
+    if mine is not None:
+        outcome = mine.get("outcome")
+        if outcome in ("timeout", "hung"):
+            return "timed out", f"checking this task took longer than {check.time_limit:g} s (an endless loop?)"
+        if outcome == "died":
+            return "crashed after", "your notebook's Python process stopped while this task was being checked"
+        return "failed", "no answer came back for this task (did the notebook replace the grading helpers?)"
+    if ran_out:
+        return "timed out", (f"your notebook ran past the total time limit ({total_timeout:g} s) before this task "
+                             "was checked")
+    last = events[-1] if events else {}
+    if last.get("event") == "cell" and last.get("outcome") == "hung":
+        return "timed out", (f"cell {last.get('index', 0) + 1} of your notebook ran too long and could not be "
+                             "stopped, so this task was never checked")
+    if last.get("outcome") == "died" or last.get("event") in ("cell", "check"):
+        where = f" in cell {last['index'] + 1}" if last.get("event") == "cell" and "index" in last else ""
+        return "crashed after", (f"your notebook's Python process stopped{where} (a crash, os._exit or a kill) "
+                                 "before this task was checked; tasks checked earlier keep their points")
+    return "crashed after", "your notebook stopped before any task could be checked"
+
+
+@dataclass(frozen=True)
+class Options:
+    cell_timeout: float = 60
+    total_timeout: float = 900
+    memory_gb: float = 6
+    level: str = "namespaces"
+
+
+def grade_submission(sub: Submission, opts: Options, book: Gradebook, digest: str) -> list[dict]:
+    """Grade one notebook; every judged task is recorded as soon as it is judged. Returns its rows."""
+    run = secrets.token_hex(8)
+    rows: list[dict] = []
+
+    def emit(check: Check | None, status: str, message: str) -> None:
+        row = _row(sub, check, status == "passed", status, message)
+        rows.append(row)
+        book.record(sub, run, row)
+
+    try:
+        checks = checks_for(sub.chapter) if sub.chapter else []
+    except Exception as e:
+        checks, problem = [], f"the checks of chapter {sub.chapter} could not be loaded: {e}"
+    else:
+        problem = "" if checks else (f"there are no checks for chapter {sub.chapter}" if sub.chapter else
+                                     "the file name does not say which exercise this is: name it NN_....ipynb, "
+                                     "e.g. 01_formats_exercises.ipynb")
+    if sub.counted_instead:
+        for c in checks:
+            emit(c, "duplicate", f"another notebook of yours for chapter {sub.chapter} is graded: "
+                                 f"{sub.counted_instead}")
+    elif problem:
+        emit(None, "not graded", problem)
+    else:
+        _run_in_sandbox(sub, checks, opts, emit)
+    if _course_digest() != digest:  # only possible at the session level: the namespaces make it read-only
+        rows = [{**r, "points": 0, "passed": False, "status": "failed",
+                 "message": "this notebook changed the course's own files; its points are withdrawn"} for r in rows]
+        for row in rows:
+            book.record(sub, run, row)
+        book.finish(sub, run, rows)
+        raise RuntimeError(f"the course's files changed while {sub.notebook} was graded: restore them "
+                           "(git checkout -- course_lib data), then grade in a container")
+    book.finish(sub, run, rows)
+    return rows
+
+
+def _run_in_sandbox(sub: Submission, checks: list[Check], opts: Options, emit) -> None:
+    try:
+        code_cells(sub.path)  # reading JSON is safe in this process; running the notebook is not
+    except Exception as e:
+        for c in checks:
+            emit(c, "not graded", f"the file is not a readable notebook ({type(e).__name__}: {str(e)[:150]})")
+        return
+    rng = random.Random(secrets.randbits(64))
+    requests, cases = [], {}
+    for c in checks:
+        rid = secrets.token_hex(8)
+        cases[rid] = (c, c.cases(rng))
+        requests.append({"name": c.name, "id": rid, "cases": cases[rid][1], "time_limit": c.time_limit})
+    box = Path(tempfile.mkdtemp(prefix="amp-grade-"))
+    token = secrets.token_hex(12)
+    try:
+        (box / "work").mkdir()
+        shutil.copy(sub.path, box / "work" / sub.path.name)
+        io = box / "io"
+        io.mkdir()
+        (io / "requests.json").write_text(json.dumps(requests))
+        memory = 0 if _cuda_visible() else int(opts.memory_gb * 2**30)  # CUDA reserves more address space
+        (io / "job.json").write_text(json.dumps({"notebook": sub.path.name, "chapter": sub.chapter,
+                                                 "cell_timeout": opts.cell_timeout,
+                                                 "memory_bytes": memory, "cpu_seconds": int(opts.total_timeout * 2)}))
+        env = sandbox.environment(box, token, {"AMP_SANDBOX_DIR": str(box)})
+        if opts.level == "session":
+            course = sandbox.course_copy(box)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(course), env.get("PYTHONPATH")) if p)
+            env["COURSE_DATA_DIR"] = str(course / "data")
+        with open(box / "runner.log", "wb") as log:
+            proc = sandbox.start(sandbox.command(opts.level, box, ["-m", "course_lib.tooling.runner", str(box)]),
+                                 env, box / "work", log)
+        reader, judged = _Responses(io / "responses.jsonl"), set()
+        deadline, ran_out = time.monotonic() + opts.total_timeout, False
+
+        def judge_new() -> None:
+            for response in reader.new():
+                rid = response.get("id")
+                if rid in cases and rid not in judged:  # the first answer to a question counts
+                    judged.add(rid)
+                    check, its_cases = cases[rid]
+                    emit(check, *judge_response(check, its_cases, response))
+
+        while proc.poll() is None:
+            judge_new()
+            if time.monotonic() > deadline:
+                ran_out = True
+                break
+            time.sleep(0.1)
+        sandbox.end(proc, token)
+        judge_new()
+        events = _events(io)
+        if os.environ.get("AMP_GRADER_DEBUG"):
+            print(sub.notebook, json.dumps(events), file=sys.stderr)
+        for rid, (check, _) in cases.items():
+            if rid not in judged:
+                emit(check, *_unanswered(check, events, opts.total_timeout, ran_out))
+    finally:
+        shutil.rmtree(box, ignore_errors=True)
+
+
+def _cuda_visible() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_available())
+
+
+def choose_level(requested: str) -> str:
+    """'namespaces' where this machine allows it; 'session' (and a warning) where it does not."""
+    if requested in ("auto", "namespaces") and sandbox.available():
+        return "namespaces"
+    if requested == "namespaces":
+        raise RuntimeError("--isolation namespaces: this machine cannot create user namespaces with unshare")
+    return "session"
+
+
+def grade_folder(submissions: Path, out_dir: Path, *, jobs: int = 2, cell_timeout: float = 60,
+                 total_timeout: float = 900, memory_gb: float = 6, isolation: str = "auto",
+                 restart: bool = False) -> list[dict]:
+    """Grade every notebook under `submissions` into out_dir/gradebook.{jsonl,csv,json}; returns all rows."""
+    started = time.monotonic()
+    level = choose_level(isolation)
+    if level == "namespaces":
+        print("grader: each submission runs in its own namespaces: no network, no other processes, "
+              "every file read-only except its sandbox")
+    else:
+        why = "as asked (--isolation session)" if isolation == "session" else "this machine cannot create namespaces"
+        print(f"grader: WARNING: no namespace isolation ({why}): a submission could read and write your files and "
+              "signal your processes. Every process it starts is still killed and the course's files are checked "
+              "after each one. Grade untrusted submissions this way only in a container or VM.")
+    opts = Options(cell_timeout, total_timeout, memory_gb, level)
+    book = Gradebook(out_dir, restart)
+    subs = find_submissions(submissions)
+    todo = [s for s in subs if s.notebook not in book.finished]
+    if len(todo) < len(subs):
+        print(f"grader: resuming: {len(subs) - len(todo)} of {len(subs)} submissions already graded in "
+              f"{book.journal}")
+    digest = _course_digest()
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        for fut in [pool.submit(grade_submission, s, opts, book, digest) for s in todo]:
+            fut.result()  # a changed checkout stops the run here, loudly
+    rows = [r for s in subs for r in book.finished.get(s.notebook, [])]
+    _print_summary(subs, book, time.monotonic() - started, Path(out_dir))
+    return rows
+
+
+def _print_summary(subs: list[Submission], book: Gradebook, seconds: float, out_dir: Path) -> None:
+    width = max([len(s.notebook) for s in subs] + [8])
+    print(f"{'student':<16} {'notebook':<{width}}  {'points':>7}  tasks")
+    for s in subs:
+        rows = book.finished.get(s.notebook, [])
+        statuses: dict[str, int] = {}
+        for r in rows:
+            statuses[r["status"]] = statuses.get(r["status"], 0) + 1
+        pts = f"{sum(r['points'] for r in rows)}/{sum(r['max_points'] for r in rows)}"
+        print(f"{s.student[:16]:<16} {s.notebook:<{width}}  {pts:>7}  "
+              + ", ".join(f"{n} {k}" for k, n in statuses.items()))
+    print(f"{len(subs)} submission(s) in {seconds:.0f} s -> {out_dir / 'gradebook.csv'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m course_lib.tooling.grader",
+                                description="grade a folder of submitted exercise notebooks")
+    p.add_argument("submissions", type=Path)
+    p.add_argument("--out", type=Path, default=Path("gradebook"))
+    p.add_argument("--jobs", type=int, default=2, help="submissions graded at once (default 2)")
+    p.add_argument("--cell-timeout", type=float, default=60, help="seconds per notebook cell (default 60)")
+    p.add_argument("--total-timeout", type=float, default=900, help="seconds per submission, a backstop")
+    p.add_argument("--memory-gb", type=float, default=6, help="address-space limit per submission (default 6)")
+    p.add_argument("--isolation", choices=["auto", "namespaces", "session"], default="auto")
+    p.add_argument("--restart", action="store_true", help="forget gradebook.jsonl and grade everything again")
+    args = p.parse_args(argv)
+    if not args.submissions.is_dir():
+        p.error(f"{args.submissions} is not a folder of submissions")
+    try:
+        grade_folder(args.submissions, args.out, jobs=args.jobs, cell_timeout=args.cell_timeout,
+                     total_timeout=args.total_timeout, memory_gb=args.memory_gb, isolation=args.isolation,
+                     restart=args.restart)
+    except RuntimeError as e:
+        print(f"grader: stopped: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
