@@ -22,6 +22,7 @@ import hashlib
 import os
 import socket
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sized
@@ -278,7 +279,7 @@ def load_dataset(name: str = "fashion_mnist", *, full: bool = False,
                                f"synthetic random images, 3x32x32 ({len(train):,} train / "
                                f"{len(test):,} test), labels random: for throughput, not accuracy")
         if verbose:
-            print(f"data: {bundle.description}")
+            print(textwrap.fill(f"data: {bundle.description}", 100, subsequent_indent="      "))
         return bundle
 
     raw, source, origin = None, "", ""
@@ -334,7 +335,7 @@ def load_dataset(name: str = "fashion_mnist", *, full: bool = False,
                    f"{len(test):,} test{prefix}) {origin}")
     bundle = DatasetBundle(key, source, train, test, list(classes), tuple(mean), tuple(std), description)
     if verbose:
-        print(f"data: {bundle.description}")
+        print(textwrap.fill(f"data: {bundle.description}", 100, subsequent_indent="      "))
     return bundle
 
 
@@ -370,9 +371,9 @@ def make_loader(dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0
                 prefetch_factor: int | None = None, drop_last: bool = False) -> DataLoader:
     """Chapter 00: a DataLoader with a reproducible order; chapter 07 turns its knobs.
 
-    These are DataLoader arguments, not Dataset arguments (the seed notebook passed them
-    to a Dataset). persistent_workers and prefetch_factor need
-    num_workers > 0; DataLoader itself says so if they are misused.
+    These are DataLoader arguments, not Dataset arguments (a popular article passed them to a
+    Dataset). persistent_workers and prefetch_factor need num_workers > 0; DataLoader itself
+    says so if they are misused.
     """
     sampler = SeededSampler(dataset, seed) if shuffle else SequentialSampler(dataset)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,

@@ -14,13 +14,15 @@ import contextlib
 import os
 import platform
 import re
+import textwrap
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 __all__ = ["PrecisionError", "Recommendation", "pick_device", "tensor_core_generation", "cpu_bf16_flags",
-           "has_native_bf16", "recommend_precision", "hardware_report", "gpu_cell", "tf32"]
+           "has_native_bf16", "recommend_precision", "hardware_report", "gpu_cell", "tf32",
+           "peak_tflops", "PEAK_TFLOPS"]
 
 # Tensor Core generations by compute capability (major, minor). Before Volta there are none.
 _TENSOR_CORES = [
@@ -213,7 +215,7 @@ def hardware_report(device: torch.device | str | None = None) -> str:
             f"native bf16 instructions: {', '.join(flags) if flags else 'none'}",
         ]
     lines.append(f"recommended precision: {recommend_precision(dev)}")
-    return "\n".join(lines)
+    return "\n".join(textwrap.fill(line, 100, subsequent_indent="    ") for line in lines)  # no line over 100
 
 
 def gpu_cell(what: str, instead: str = "the next cell shows the result recorded on a GPU") -> bool:
@@ -235,7 +237,10 @@ def gpu_cell(what: str, instead: str = "the next cell shows the result recorded 
 # --------------------------------------------------------------------------- peaks and TF32
 
 def peak_tflops(name: str, dtype: str) -> float | None:
-    """Datasheet dense peak of GPU `name` for 'fp32', 'tf32', 'fp16' or 'bf16'; None = unknown."""
+    """Chapter 01: datasheet dense peak of GPU `name` for 'fp32', 'tf32', 'fp16' or 'bf16'.
+
+    None means no Tensor Core path for that dtype on that GPU, or a GPU not in the table.
+    """
     key = next((k for k, pattern in _GPU_PATTERNS if re.search(pattern, name, flags=re.I)), None)
     return PEAK_TFLOPS[key].get(dtype) if key else None
 

@@ -11,15 +11,15 @@ __all__ = ["SimpleCNN", "MLP"]
 
 
 class SimpleCNN(nn.Module):
-    """Chapter 00: the CNN of seed article 000, corrected.
+    """Chapter 00: the CNN of a popular article (Betty796, 2025-12-24), corrected.
 
-    What the seed got wrong, and what we changed:
+    What the article got wrong, and what we changed:
     - it built `nn.AdaptiveAvgPool2d` inside `forward`, a new module object on every call;
       here the pooling layer is created once and registered;
     - it hard-coded 3 input channels; Fashion-MNIST has 1, so `in_channels` is a parameter;
     - `x.view(x.size(0), -1)` fails on non-contiguous inputs (e.g. channels_last);
       `torch.flatten(x, 1)` works on both.
-    The layer sizes are the seed's: conv 3x3 -> 64, conv 3x3 -> 128, global average pool, linear.
+    The layer sizes are the article's: conv 3x3 -> 64, conv 3x3 -> 128, global average pool, linear.
     """
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10, width: int = 64):

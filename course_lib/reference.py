@@ -58,12 +58,13 @@ def load_references(pattern: str = "*.json") -> list[dict]:
 
 def show_reference(pattern: str, describe: Callable[[dict], str], how_to_record: str) -> list[dict]:
     """Chapter 00: print every recorded result matching `pattern` with its provenance, formatted
-    by `describe(record)`; if there is none, say so in one line and how to record one."""
+    by `describe(record)`; if there is none, say so, and how to record one."""
     refs = load_references(pattern)
     for ref in refs:
         prov = ref["provenance"]
         print(f"recorded on {_headline(prov)}  ({ref['file']})\n  command: {prov['command']}")
         print(describe(ref))
     if not refs:
-        print(f"No GPU reference recorded in data/reference/{pattern} yet. On a GPU: {how_to_record}")
+        print(f"No GPU reference recorded in data/reference/{pattern} yet; on a GPU, record it with:\n"
+              f"    {how_to_record}")  # two lines: a notebook shows 100 characters without wrapping
     return refs

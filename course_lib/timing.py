@@ -13,6 +13,7 @@ The rules every measurement here follows:
 from __future__ import annotations
 
 import statistics
+import textwrap
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -21,7 +22,7 @@ import torch
 
 from .device import pick_device
 
-__all__ = ["time_fn", "saved_activation_bytes"]
+__all__ = ["time_fn", "compare", "saved_activation_bytes"]
 
 
 def synchronize(device: torch.device) -> None:
@@ -86,6 +87,27 @@ def time_fn(fn: Callable[[], object], *, warmup: int = 3, iters: int = 10,
             synchronize(dev)
             times.append((time.perf_counter() - t0) * 1e3)
     return Timing(times)
+
+
+def compare(timings: dict[str, Timing], base: str, width: int = 100) -> str:
+    """Chapter 02: each timing against `base` in words: faster or slower, by what factor, and
+    whether the difference is larger than the spread (the middle halves do not overlap) or within
+    it, in which case this run cannot tell the two apart. Lines wrap at `width` characters."""
+    ref = timings[base]
+    lo0, hi0 = ref.quartiles_ms
+    out = []
+    for name, t in timings.items():
+        if name == base:
+            continue
+        lo, hi = t.quartiles_ms
+        ratio = t.median_ms / ref.median_ms
+        speed = f"{1 / ratio:.2f}x faster" if ratio < 1 else f"{ratio:.2f}x slower"
+        verdict = ("the middle halves overlap: the difference is within the spread, so this run cannot tell them "
+                   "apart" if lo <= hi0 and lo0 <= hi else "the middle halves do not overlap: the difference is "
+                   "larger than the spread")
+        out.append(textwrap.fill(f"{name}: median {t.median_ms:.1f} ms against {ref.median_ms:.1f} ms for {base}, "
+                                 f"{speed}; {verdict}.", width, subsequent_indent="    "))
+    return "\n".join(out)
 
 
 def peak_memory_bytes(fn: Callable[[], object], device: torch.device | str | None = None) -> int | None:

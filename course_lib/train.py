@@ -76,8 +76,8 @@ class History:
         last = f"{self.loss[-1]:.4f}" if self.loss else "n/a"
         acc = f", eval accuracy {self.eval[-1]['accuracy']:.3f}" if self.eval else ""
         return (f"{self.precision} on {self.device}: {len(self.step)} steps in {self.seconds:.1f} s, "
-                f"last loss {last}{acc}, skipped steps {self.skipped_steps}, "
-                f"final scale {self.scale[-1] if self.scale else 'n/a'}")
+                f"last loss {last}{acc}, skipped {self.skipped_steps}, "
+                f"scale {f'{self.scale[-1]:g}' if self.scale else 'n/a'}")  # under 100 characters
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

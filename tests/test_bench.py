@@ -29,3 +29,54 @@ def test_on_a_cpu_tf32_is_a_labelled_skip_and_there_is_no_channels_last_row():
 def test_a_gpu_sized_model_is_refused_on_a_cpu():
     with pytest.raises(ValueError, match="sized for a GPU"):
         bench.precision_table(model="resnet50", device="cpu")
+
+
+def _row(mode, times):
+    return {"mode": mode, "ms_per_step": sorted(times)[len(times) // 2], "times_ms": times}
+
+
+def test_read_table_says_faster_or_slower_by_the_factor_and_compares_with_the_spread():
+    base = _row("FP32 (strict)", [95.0, 98.0, 100.0, 102.0, 105.0])
+    text = bench.read_table([base, {"mode": "TF32", "note": "skipped"}, _row("AMP bf16", [48, 49, 50, 51, 52])])
+    assert "2.00x faster" in text and "larger than the spread" in text and "TF32" not in text
+    text = bench.read_table([base, _row("AMP bf16", [99.0, 101.0, 104.0, 106.0, 110.0])])
+    assert "1.04x slower" in text and "within the spread" in text
+    assert all(len(line) <= 100 for line in text.splitlines())
+
+
+@pytest.mark.parametrize("flags, expect", [(["avx512_bf16"], "natively"), ([], "in software")])
+def test_compare_runs_reads_the_measured_times_and_this_cpu(monkeypatch, flags, expect):
+    monkeypatch.setattr(bench, "cpu_bf16_flags", lambda: flags)
+    text = bench.compare_runs({"fp32": 10.0, "bf16": 4.0}, "cpu")
+    assert "bf16 was 2.50x faster" in text and expect in text and "spread" in text
+    assert "bf16 was 2.00x slower" in bench.compare_runs({"fp32": 10.0, "bf16": 20.0}, "cpu")
+    assert all(len(line) <= 100 for line in text.splitlines())
+
+
+@pytest.mark.parametrize("flags, precision", [(["amx_bf16"], "bf16"), ([], "bf16")])
+def test_mixed_precision_for_a_cpu_is_always_a_16_bit_type(monkeypatch, flags, precision):
+    import course_lib.device as D
+    monkeypatch.setattr(D, "cpu_bf16_flags", lambda cpuinfo=None: flags)
+    assert bench.mixed_precision_for("cpu") == precision
+
+
+def test_the_amp_step_picture_has_its_three_colours_in_a_legend_inside_the_axes():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig = bench.draw_amp_step()
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["fp32 (32 bits)", "16 bits (fp16 or bf16)", "fp16 only: loss scaling by S"]
+    assert len(ax.patches) >= 16  # 8 boxes and 8 arrows
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("cc, native, expect", [((7, 5), False, "sm_75) has fp16 Tensor Cores"),
+                                                ((8, 0), True, "sm_80) has bf16 Tensor Cores"),
+                                                ((6, 1), False, "sm_61) has no Tensor Cores")])
+def test_compare_runs_on_a_gpu_names_its_tensor_cores(monkeypatch, cc, native, expect):
+    monkeypatch.setattr(bench, "cuda_capability", lambda dev=None: cc)
+    monkeypatch.setattr(bench, "has_native_bf16", lambda dev=None: native)
+    text = bench.compare_runs({"fp32": 3.0, "fp16": 1.0}, "cuda")
+    assert "fp16 was 3.00x faster" in text and expect in text

@@ -95,3 +95,9 @@ def test_tf32_context_switches_both_flags_and_restores_them():
 def test_hardware_report_names_torch_version_and_recommendation():
     text = D.hardware_report("cpu")
     assert torch.__version__ in text and "recommended precision" in text
+
+
+@pytest.mark.parametrize("flags", [["amx_bf16", "avx512_bf16"], []])
+def test_hardware_report_lines_fit_a_notebook_without_wrapping(monkeypatch, flags):
+    monkeypatch.setattr(D, "cpu_bf16_flags", lambda cpuinfo=None: flags)
+    assert max(len(line) for line in D.hardware_report("cpu").splitlines()) <= 100

@@ -57,6 +57,13 @@ def test_make_lab_serves_the_whole_course_from_the_repository_root(tmp_path):
         proc.wait(timeout=30)
 
 
+@pytest.mark.skipif(not (ROOT / ".venv" / ".installed-stamp").exists(), reason="no .venv made by make")
+def test_the_lab_neither_asks_for_news_nor_checks_for_updates_offline():
+    overrides = json.loads((ROOT / ".venv/share/jupyter/lab/settings/overrides.json").read_text())
+    assert overrides["@jupyterlab/apputils-extension:notification"] == {"fetchNews": "false", "checkForUpdates": False}
+    assert "--LabApp.news_url=None" in (ROOT / "Makefile").read_text()
+
+
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 

@@ -53,3 +53,28 @@ def test_cli_records_rows_with_provenance(tmp_path, capsys):
     command = f"python -m course_lib.chapters.matmul speed --n 32 --device cpu --json {out}"
     assert data["provenance"]["command"] == command
     assert [r["dtype"] for r in data["rows"]] == ["fp32 (strict)", "fp16", "bf16"]
+
+
+def test_matmul_table_text_puts_modes_in_rows_and_fits_100_characters():
+    modes = ["fp32", "fp32 TF32", "fp16", "fp16 RR off", "fp16 floor", "bf16", "bf16 RR off", "bf16 floor"]
+    rows = [{"K": k, **{m: 1e-3 * i for i, m in enumerate(modes)}} for k in (256, 4096, 65536)]
+    lines = M.matmul_table_text(rows).splitlines()
+    assert [line.split("  ")[0].strip() for line in lines[1:]] == modes
+    assert "K = 65536" in lines[0] and max(map(len, lines)) <= 100
+    assert lines[2].split()[-3:] == ["1.00e-03"] * 3  # "fp32 TF32": one value per K
+
+
+def test_peak_ratios_come_from_the_device_table_with_no_tensor_core_path_as_none():
+    from course_lib.device import PEAK_TFLOPS
+    rows = {r["gpu"]: r for r in M.peak_ratios()}
+    assert set(rows) == set(PEAK_TFLOPS) and set(M.FP8_PEAK_TFLOPS) <= set(PEAK_TFLOPS)
+    assert rows["H100 SXM"]["bf16/fp32"] == pytest.approx(989.4 / 66.9) == pytest.approx(14.8, abs=0.05)
+    assert rows["H100 SXM"]["fp8/bf16"] == pytest.approx(2.0, abs=0.01)
+    for gpu in ("T4", "V100 SXM2", "V100 PCIe"):  # fp16 Tensor Cores only: bf16 and TF32 have no path
+        assert rows[gpu]["bf16/fp32"] is None and rows[gpu]["tf32/fp32"] is None and rows[gpu]["fp16/fp32"] > 1
+        assert rows[gpu]["fp8/bf16"] is None
+    assert rows["H100 PCIe"]["fp8/bf16"] == "n/a"  # has fp8 Tensor Cores, but no figure is cited
+    text = M.peak_ratios_text()
+    assert max(map(len, text.splitlines())) <= 100
+    t4 = next(line for line in text.splitlines() if line.startswith("T4 "))
+    assert t4.count("no Tensor Core path") == 3 and "8.0×" in t4

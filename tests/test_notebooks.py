@@ -106,6 +106,20 @@ def test_gpu_cells_guard_themselves(path):
 
 
 @pytest.mark.parametrize("path", ALL, ids=ids(ALL))
+def test_a_gpu_cells_one_line_off_cuda_fits_in_100_characters(path):
+    import inspect
+
+    from course_lib.device import gpu_cell
+    default = inspect.signature(gpu_cell).parameters["instead"].default
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.cell_type == "code" and "gpu" in cell.metadata.get("tags", []):
+            guard = next(s for s in ast.parse(cell.source).body if isinstance(s, ast.If)).test
+            what, instead = ([ast.literal_eval(a) for a in guard.args] + [default])[:2]
+            line = f"[needs a CUDA GPU, none here] {what}; {instead}."
+            assert len(line) <= 100, f"gpu cell {cell.id} prints {len(line)} characters off CUDA: {line}"
+
+
+@pytest.mark.parametrize("path", ALL, ids=ids(ALL))
 def test_gpu_cells_are_leaves(path):
     """A name defined only in a `gpu` cell must not be used later: without a GPU it would not exist."""
     cells = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]

@@ -26,8 +26,9 @@ def test_show_reference_prints_each_record_with_where_it_was_measured(tmp_path, 
     assert "command: python -m course_lib.chapters.bench" in text
 
 
-def test_show_reference_without_a_record_says_so_in_one_line_with_the_command(tmp_path, monkeypatch, capsys):
+def test_show_reference_without_a_record_says_so_with_the_command_in_short_lines(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(reference, "REFERENCE_DIR", tmp_path)
     assert reference.show_reference("nothing_*.json", str, "python -m x --json y") == []
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 1 and "No GPU reference recorded" in lines[0] and "python -m x --json y" in lines[0]
+    assert len(lines) == 2 and "No GPU reference recorded" in lines[0] and lines[1].strip() == "python -m x --json y"
+    assert all(len(line) <= 100 for line in lines)

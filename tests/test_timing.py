@@ -20,6 +20,16 @@ def test_timing_reports_the_median_and_the_middle_half_not_the_outlier():
     assert "median 10.500 ms" in str(t) and "n=5" in str(t)
 
 
+def test_compare_names_the_faster_by_its_factor_and_admits_when_the_spread_hides_it():
+    base = timing.Timing([10.0, 10.5, 11.0, 11.5, 12.0])
+    text = timing.compare({"fp32": base, "fast": timing.Timing([4.0, 4.5, 5.0, 5.5, 6.0]),
+                           "same": timing.Timing([10.2, 10.8, 11.2, 11.6, 12.4])}, "fp32")
+    fast, same = text.split("\nsame")
+    assert "2.20x faster" in fast and "larger than the spread" in fast
+    assert "slower" in same and "cannot tell them apart" in same
+    assert all(len(line) <= 100 for line in text.splitlines())
+
+
 def test_saved_activation_bytes_halve_under_bf16_autocast_and_count_per_dtype():
     lin = torch.nn.Linear(256, 256)
     x = torch.randn(64, 256, requires_grad=True)

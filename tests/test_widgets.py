@@ -1,11 +1,15 @@
 """course_lib.chapters.widgets (chapter 01): the bit explorer's pure logic, its static fallbacks, the live widget."""
+import copy
 import math
 import sys
+from pathlib import Path
 
+import nbformat
 import pytest
 
 from course_lib.chapters import widgets as W
 from course_lib.chapters.formats import decompose
+from course_lib.tooling.nbtools import without_widget_views
 
 
 @pytest.mark.parametrize("text, want", [("0.1", 0.1), (" 1e-8 ", 1e-8), ("2**-24", 2.0**-24), ("2^-24", 2.0**-24),
@@ -64,9 +68,19 @@ def test_static_text_shows_every_format_with_bits_values_and_errors():
     fp16 = next(line for line in lines if line.startswith("fp16"))
     assert "0 11111 0000000000" in fp16 and "inf" in fp16 and "overflow" in fp16
     bf16 = next(line for line in lines if line.startswith("bf16"))
-    assert "65536.0" in bf16 and "+1.600e+01" in bf16
+    assert "65536.0" in bf16 and "+1.60e+01" in bf16
     assert "exact" in next(line for line in lines if line.startswith("fp32"))
     assert W.static_text(65520.0) == text  # deterministic: the notebook test compares it
+
+
+@pytest.mark.parametrize("value", [0.1, 65520.0, 1e-8, -5.960464477539063e-08, 1e-40, -3e-42, math.nan, -math.inf])
+def test_static_text_lines_fit_100_characters_and_header_matches_the_columns(value):
+    lines = W.static_text(value).splitlines()
+    assert max(map(len, lines)) <= 100
+    header, first = lines[1], lines[2]
+    for name in ("bits", "kind", "exponent", "stored value", "error"):
+        col = header.index(name)
+        assert first[col - 1] == " " and first[col] != " ", (name, header, first)  # a column starts there
 
 
 def test_static_html_colours_every_bit_and_escapes_values():
@@ -83,7 +97,7 @@ def test_explorer_display_carries_the_widget_and_both_static_tables():
     bundle = e._repr_mimebundle_()
     assert bundle["text/plain"] == W.static_text(0.1) == repr(e)
     assert bundle["text/html"] == W.static_html(0.1) == e._repr_html_()
-    assert "model_id" in bundle["application/vnd.jupyter.widget-view+json"]
+    assert "model_id" in bundle[W.WIDGET_VIEW]
 
 
 def test_explorer_falls_back_to_the_tables_without_ipywidgets(monkeypatch):
@@ -103,9 +117,54 @@ def test_live_widget_clicks_typing_and_format_changes_update_the_view():
     assert number.value == "-1.0" and e.state.value == -1.0 and "-1.0" in table.value
     assert bits.children[0].description == "1" and "normal" in meaning.value
     number.value = "2**-24"
-    assert e.state.pattern == 0x0001 and "subnormal" in meaning.value
+    assert e.state.pattern == 0x0001 and "a subnormal number" in meaning.value
+    number.value = "inf"
+    assert "is <b>inf</b>" in meaning.value and " is a " not in meaning.value
+    number.value = "2**-24"
     number.value = "not a number"
     assert "cannot read" in box.children[0].children[1].value and e.state.pattern == 0x0001  # unchanged
     fmt.value = "fp32"
     assert len(bits.children) == 32 and e.state.edit_format == "fp32"
     assert e.widget() is box  # built once
+
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted(p for d in ("notebooks", "solutions", "exercises") for p in (ROOT / d).glob("*.ipynb"))
+
+
+def _saved_models(nb) -> dict:
+    return nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_stored_output_holds_a_widget_view_whose_model_is_gone(path):
+    """Opened before running, JupyterLab would pick the view and show 'model not found'."""
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            view = out.get("data", {}).get(W.WIDGET_VIEW)
+            why = f"cell {cell.get('id')} stores a widget view without its model: run nbtools strip"
+            assert view is None or view["model_id"] in _saved_models(nb), why
+
+
+def test_the_explorer_cell_stores_both_static_tables():
+    nb = nbformat.read(ROOT / "notebooks" / "01_formats.ipynb", as_version=4)
+    cells = [c for c in nb.cells if c.cell_type == "code" and "bit_explorer(" in c.source]
+    assert cells, "chapter 01 shows the bit explorer"
+    for cell in cells:
+        assert "nbval-check-output" in cell.metadata.get("tags", [])
+        (out,) = [o for o in cell.outputs if "data" in o]
+        assert set(out["data"]) == {"text/plain", "text/html"}
+        assert out["data"]["text/plain"] == W.static_text(0.1) and out["data"]["text/html"] == W.static_html(0.1)
+
+
+def test_without_widget_views_drops_only_views_whose_model_is_not_saved():
+    bundle = W.bit_explorer(0.1)._repr_mimebundle_()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(outputs=[
+        nbformat.v4.new_output("display_data", data=copy.deepcopy(bundle))])])
+    kept = copy.deepcopy(nb)
+    kept.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {
+        "state": {bundle[W.WIDGET_VIEW]["model_id"]: {}}}}
+    assert without_widget_views(nb) is True and without_widget_views(nb) is False
+    assert set(nb.cells[0].outputs[0]["data"]) == {"text/plain", "text/html"}
+    assert without_widget_views(kept) is False and W.WIDGET_VIEW in kept.cells[0].outputs[0]["data"]

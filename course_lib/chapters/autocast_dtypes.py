@@ -1,15 +1,21 @@
 """Where every dtype ends up in a training step under autocast, and the memory that saves.
 
-Chapter 02, section 3. autocast casts the *inputs* of each listed op; parameters, their
-gradients and the optimizer's state stay fp32. What shrinks is what autograd saves for
-backward: activations saved in 16 bits take half the bytes.
+Chapter 02, sections 3, 5 and 6. autocast casts the *inputs* of each listed op; parameters,
+their gradients and the optimizer's state stay fp32. What shrinks is what autograd saves for
+backward: activations saved in 16 bits take half the bytes. The cast copies of the weights
+are cached for as long as the outermost region is open, which costs memory and, if an
+optimizer step happens inside the region, goes stale (`after_step_in_region`).
 
     print(format_module_dtypes(module_dtypes(model, x, device_type="cpu", dtype=torch.bfloat16)))
     memory_comparison(model, x, y)   # saved-for-backward bytes (any device), peak memory (CUDA)
+    python -m course_lib.chapters.autocast_dtypes --json data/reference/autocast_memory_<gpu>.json
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
+import copy
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -19,10 +25,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
+from ..models import MLP
+from ..reference import record
 from ..timing import peak_memory_bytes, saved_tensor_bytes
 from .autocast_policy import LOW_PRECISION, short
 
-__all__ = ["dtype_report", "module_dtypes", "format_module_dtypes", "memory_comparison"]
+__all__ = ["dtype_report", "module_dtypes", "format_module_dtypes", "memory_comparison", "mlp_memory_rows",
+           "format_memory_rows", "REGION_LAYOUTS", "after_step_in_region", "losses_by_layout"]
 
 
 def dtype_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Counter]:
@@ -115,3 +124,119 @@ def memory_comparison(model: nn.Module, x: torch.Tensor, target: torch.Tensor,
                      "saved_by_dtype": {short(k): v for k, v in by_dtype.items()}}
     model.zero_grad(set_to_none=True)
     return out
+
+
+def mlp_memory_rows(device: str = "cuda", dtypes: Sequence[torch.dtype] = (torch.float16, torch.bfloat16),
+                    width: int = 4096, batch: int = 512) -> list[dict]:
+    """Chapter 02: memory_comparison on the AMP recipe's MLP (3 x 4096 wide, batch 512), per dtype.
+
+    One row per low-precision dtype, sizes in MiB; `peak_*` is None off CUDA.
+    """
+    rows = []
+    for dtype in dtypes:
+        torch.manual_seed(0)
+        mlp = MLP(in_features=width, hidden=width, depth=3).to(device)
+        x, y = torch.randn(batch, width, device=device), torch.randint(0, 10, (batch,), device=device)
+        m = memory_comparison(mlp, x, y, dtype=dtype)
+        low, mib = short(dtype), 2.0 ** 20
+        rows.append({"dtype": low, "saved_fp32": m["fp32"]["saved"] / mib, "saved_low": m[low]["saved"] / mib,
+                     "peak_fp32": m["fp32"]["peak"] / mib if m["fp32"]["peak"] else None,
+                     "peak_low": m[low]["peak"] / mib if m[low]["peak"] else None})
+        del mlp, x, y
+    return rows
+
+
+def format_memory_rows(rows: Sequence[dict]) -> str:
+    """Chapter 02: mlp_memory_rows as a table (MiB; a ratio is low precision / fp32)."""
+    out = [f"{'autocast':<10}{'saved fp32':>12}{'saved low':>11}{'ratio':>7}"
+           f"{'peak fp32':>12}{'peak low':>10}{'ratio':>7}"]
+    for r in rows:
+        peaks = (f"{r['peak_fp32']:>12.1f}{r['peak_low']:>10.1f}{r['peak_low'] / r['peak_fp32']:>7.2f}"
+                 if r["peak_fp32"] else f"{'n/a':>12}{'n/a':>10}{'':>7}")
+        out.append((f"{r['dtype']:<10}{r['saved_fp32']:>12.1f}{r['saved_low']:>11.1f}"
+                    f"{r['saved_low'] / r['saved_fp32']:>7.2f}{peaks}").rstrip())
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- the cast cache goes stale
+
+REGION_LAYOUTS = ("a new region per step", "one region", "one region + torch.clear_autocast_cache()",
+                  "one region, cache_enabled=False")
+
+
+def _layout(layout: str, device: str, dtype: torch.dtype) -> tuple[Callable, Callable]:
+    # (the region around everything, the region around one step's forward) for a layout
+    if layout not in REGION_LAYOUTS:
+        raise ValueError(f"layout must be one of {REGION_LAYOUTS}")
+    if layout == REGION_LAYOUTS[0]:
+        return contextlib.nullcontext, lambda: torch.autocast(device, dtype=dtype)
+    cache = layout != "one region, cache_enabled=False"
+    return lambda: torch.autocast(device, dtype=dtype, cache_enabled=cache), contextlib.nullcontext
+
+
+def after_step_in_region(model: nn.Module, x: torch.Tensor, target: torch.Tensor, layout: str,
+                         dtype: torch.dtype | None = None, lr: float = 0.1) -> dict[str, float]:
+    """Chapter 02: forward, one SGD step, forward again, on a copy of `model`, with regions as `layout` says.
+
+    Returns the largest change of the output made by the step (`moved`) and the largest
+    difference from the output the updated weights really give (`error`, computed in a
+    fresh region with the cache off). A stale cast cache shows as moved = 0, error > 0.
+    """
+    model, dev = copy.deepcopy(model), x.device.type
+    dtype = dtype or torch.get_autocast_dtype(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    outer, inner = _layout(layout, dev, dtype)
+    with outer():
+        with inner():
+            before = model(x)
+            loss = F.mse_loss(before.float(), target)
+        loss.backward()
+        opt.step()
+        if layout == "one region + torch.clear_autocast_cache()":
+            torch.clear_autocast_cache()
+        with inner():
+            after = model(x).float()
+    with torch.no_grad(), torch.autocast(dev, dtype=dtype, cache_enabled=False):
+        truth = model(x).float()
+    return {"moved": (after - before.float()).abs().max().item(), "error": (after - truth).abs().max().item()}
+
+
+def losses_by_layout(model: nn.Module, x: torch.Tensor, target: torch.Tensor, layout: str, steps: int = 6,
+                     dtype: torch.dtype | None = None, lr: float = 0.1) -> list[float]:
+    """Chapter 02: the loss at each of `steps` SGD steps on a copy of `model`, regions laid out as `layout`.
+
+    In "one region" every forward after the first reuses the first step's cast weights.
+    """
+    model, dev = copy.deepcopy(model), x.device.type
+    dtype = dtype or torch.get_autocast_dtype(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    outer, inner = _layout(layout, dev, dtype)
+    losses = []
+    with outer():
+        for _ in range(steps):
+            with inner():
+                loss = F.mse_loss(model(x).float(), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            if layout == "one region + torch.clear_autocast_cache()":
+                torch.clear_autocast_cache()
+    return losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m course_lib.chapters.autocast_dtypes",
+                                description="saved-for-backward and peak memory of an MLP step, fp32 vs autocast")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--width", type=int, default=4096, help="MLP width (the AMP recipe's 4096; use less on a CPU)")
+    p.add_argument("--json", help="also write the rows with provenance (data/reference/autocast_memory_<gpu>.json)")
+    args = p.parse_args(argv)
+    rows = mlp_memory_rows(args.device, width=args.width)
+    command = "python -m course_lib.chapters.autocast_dtypes " + " ".join(argv if argv is not None else sys.argv[1:])
+    record(command, format_memory_rows(rows), args.json, rows=rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,6 +16,8 @@ low-precision inputs and with mixed inputs, and record the output dtypes and the
 autocast inserts (`dispatch_trace`). fp32 in -> low out is "lower_precision"; low in ->
 fp32 out is "fp32"; a cast of the low input up to fp32 that plain eager mode does not make
 is "promote"; an error under autocast that plain eager mode does not raise is "banned".
+`dispatch_trace` works around `loss.backward()` too: `backward_pairs` then shows each
+derivative op next to its forward op, in the dtype that op ran in.
 
 `fake=True` runs CUDA autocast on FakeTensors (shape/dtype-only tensors that claim to be on
 CUDA): the dispatcher applies the same AutocastCUDA kernels, so the dtypes are the real
@@ -28,6 +30,7 @@ import contextlib
 import functools
 import math
 import sys
+import textwrap
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -40,11 +43,12 @@ from torch.utils._pytree import tree_leaves
 
 from ..reference import record
 
-__all__ = ["LOW_PRECISION", "dispatch_trace", "casts", "PolicyRow", "fake_cuda_available", "probe_policy",
-           "compare_policies", "format_policy", "registered_ops"]
+__all__ = ["LOW_PRECISION", "dispatch_trace", "casts", "backward_pairs", "PolicyRow", "fake_cuda_available",
+           "probe_policy", "compare_policies", "format_policy", "format_by_policy", "registered_ops"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 POLICIES = ("lower_precision", "fp32", "promote", "unchanged", "banned")
+WIDTH = 100  # the widest line a table prints: JupyterLab shows it without wrapping
 SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
 
 
@@ -182,6 +186,18 @@ def casts(trace: Sequence[TraceEntry]) -> Counter:
                    if e.op in ("_to_copy", "to") and e.in_dtypes and e.out_dtype != e.in_dtypes[0])
 
 
+def backward_pairs(forward: Sequence[TraceEntry],
+                   backward: Sequence[TraceEntry]) -> list[tuple[TraceEntry, TraceEntry]]:
+    """Chapter 02: (forward op, its backward op) for every backward op named after a forward op.
+
+    ATen names most derivative ops `<op>_backward...` (`mse_loss_backward`,
+    `_softmax_backward_data`); a matmul's backward is plain `mm`s and is not paired here.
+    """
+    by_name = {e.op: e for e in forward}
+    return [(by_name[b.op.split("_backward")[0]], b) for b in backward
+            if "_backward" in b.op and b.op.split("_backward")[0] in by_name]
+
+
 @contextlib.contextmanager
 def _fake_cuda_autocast(dtype: torch.dtype) -> Iterator[None]:
     # torch.autocast("cuda") switches itself off when no GPU is present, so set the same
@@ -296,9 +312,9 @@ def _classify(spec: OpSpec, device: str, dtype: torch.dtype, fake: bool) -> Poli
         pmix = run_op(spec, device, dtype, [dtype] + [torch.float32] * (n - 1), False, fake)
         up = (short(dtype), "fp32")
         if amix.error is None and (pmix.error is not None or amix.casts[up] > pmix.casts[up]):
-            return PolicyRow(**row, policy="promote", note="autocast casts the low-precision input up to fp32")
-        note = ("mixed inputs raise: " + amix.error) if amix.error else (
-            "mixed inputs: ordinary type promotion" if amix.out_dtype == torch.float32 else "")
+            return PolicyRow(**row, policy="promote", note="autocast casts low input up")
+        note = ("mixed inputs raise " + amix.error) if amix.error else (
+            "mixed: ordinary promotion" if amix.out_dtype == torch.float32 else "")
         return PolicyRow(**row, policy="unchanged", note=note)
     return PolicyRow(**row, policy="unchanged")
 
@@ -331,18 +347,45 @@ def compare_policies(a: Sequence[PolicyRow], b: Sequence[PolicyRow]) -> list[tup
     return [(r.op, r.policy, pb[r.op]) for r in a if r.op in pb and pb[r.op] != r.policy]
 
 
-def format_policy(rows: Sequence[PolicyRow], group_by_policy: bool = True) -> str:
-    """Chapter 02: a probe as a fixed-width table (output dtype for fp32 / low / mixed inputs)."""
+def format_policy(rows: Sequence[PolicyRow], group_by_policy: bool = True, width: int = WIDTH) -> str:
+    """Chapter 02: a probe as a fixed-width table (output dtype for fp32 / low / mixed inputs).
+
+    No line is wider than `width`: a note that does not fit its column is printed in full,
+    wrapped, under the table and referred to by number.
+    """
     if not rows:
         return "(no rows)"
     low = short(rows[0].dtype)
     order = {p: i for i, p in enumerate(POLICIES)}
     rows = sorted(rows, key=lambda r: (order[r.policy], r.group, r.op)) if group_by_policy else list(rows)
-    head = f"autocast({rows[0].device!r}, {low}): output dtype for inputs that are"
-    out = [head, f"{'op':<34}{'fp32':>5}{low:>6}{'mixed':>7}   {'policy':<16}note"]
+    op_w = max(len(r.op) for r in rows) + 2
+    head = f"{'op':<{op_w}}{'fp32':>5}{low:>6}{'mixed':>7}   {'policy':<16}"
+    room = width - len(head)
+    out = [f"autocast({rows[0].device!r}, {low}): output dtype for inputs that are", head + "note"]
+    notes: list[str] = []
     for r in rows:
         d = r.as_dict()
-        out.append(f"{r.op:<34}{d['from_fp32']:>5}{d['from_low']:>6}{d['from_mixed']:>7}   {r.policy:<16}{r.note[:64]}")
+        note = r.note
+        if len(note) > room:
+            notes.append(note)
+            note = f"(see note {len(notes)})"
+        row = f"{r.op:<{op_w}}{d['from_fp32']:>5}{d['from_low']:>6}{d['from_mixed']:>7}   {r.policy:<16}{note}"
+        out.append(row.rstrip())
+    for i, note in enumerate(notes, 1):
+        out += textwrap.wrap(f"note {i}: {note}", width, subsequent_indent="  ")
+    return "\n".join(out)
+
+
+def format_by_policy(rows: Sequence[PolicyRow], width: int = WIDTH) -> str:
+    """Chapter 02: the ops of a probe listed under each policy, wrapped at `width` characters."""
+    if not rows:
+        return "(no rows)"
+    head = f"autocast({rows[0].device!r}, {short(rows[0].dtype)})"
+    out = []
+    for policy in POLICIES:
+        ops = [r.op for r in rows if r.policy == policy]
+        if ops:
+            out += textwrap.wrap(f"{head} {policy}: {', '.join(ops)}", width, subsequent_indent="    ")
     return "\n".join(out)
 
 

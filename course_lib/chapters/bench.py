@@ -8,23 +8,28 @@ synchronised clocks, median and spread of many steps).
 
     python -m course_lib.chapters.bench                                   # table for this machine
     python -m course_lib.chapters.bench --json data/reference/bench_<gpu>.json   # with provenance
+
+It also holds the chapter's picture of one mixed-precision training step (`draw_amp_step`)
+and the sentences that read a measurement from its numbers (`compare_runs`, `read_table`),
+so that no sentence in the notebook claims "faster" or "slower" without them.
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import sys
+import textwrap
 
 import torch
 
 from ..data import synthetic_batches
-from ..device import cuda_capability, pick_device, recommend_precision, tf32
+from ..device import cpu_bf16_flags, cuda_capability, has_native_bf16, pick_device, recommend_precision, tf32
 from ..models import build_model
 from ..reference import record
-from ..timing import peak_memory_bytes, time_fn
+from ..timing import Timing, compare, peak_memory_bytes, time_fn
 from ..train import TrainConfig, Trainer
 
-__all__ = ["precision_table", "format_table"]
+__all__ = ["draw_amp_step", "mixed_precision_for", "compare_runs", "precision_table", "format_table", "read_table"]
 
 # Input shape, constructor arguments and class count of each model the table can run.
 WORKLOADS: dict[str, tuple[tuple[int, ...], dict, int]] = {
@@ -36,11 +41,53 @@ WORKLOADS: dict[str, tuple[tuple[int, ...], dict, int]] = {
 GPU_ONLY = {"resnet50"}  # 224-px ResNet-50 takes minutes and gigabytes per step on a CPU: never there
 
 
+def mixed_precision_for(device: torch.device | str | None = None) -> str:
+    """Chapter 00: the 16-bit type to try on this device: the recommended one, or, where the
+    policy says fp32 (a CPU without bf16 instructions, a GPU before Volta), bf16 on a CPU and
+    fp16 on a GPU, so that you see what mixed precision would cost there."""
+    dev = pick_device() if device is None else torch.device(device)
+    amp = recommend_precision(dev).precision
+    if amp == "fp32":
+        amp = "bf16" if dev.type == "cpu" else "fp16"
+    return amp
+
+
+def _factor(base: float, other: float) -> str:
+    """'2.69x faster' / '1.93x slower' for a time `other` against a time `base`."""
+    return f"{base / other:.2f}x faster" if other <= base else f"{other / base:.2f}x slower"
+
+
+def _wrap(text: str) -> str:
+    return textwrap.fill(text, width=100)
+
+
+def compare_runs(seconds: dict[str, float], device: torch.device | str | None = None) -> str:
+    """Chapter 00: read two training runs ({"fp32": s, "bf16": s}, fp32 first) in sentences: which was
+    faster and by how much, what this hardware leads one to expect, and why one run is no benchmark."""
+    (base_label, base), (label, t) = list(seconds.items())[:2]
+    dev = pick_device() if device is None else torch.device(device)
+    lines = [f"{label} took {t:.1f} s and {base_label} {base:.1f} s: {label} was {_factor(base, t)} "
+             "in this one run."]
+    if dev.type == "cpu":
+        flags = cpu_bf16_flags()
+        lines.append(f"This CPU computes bf16 natively ({', '.join(flags)}), so bf16 can be faster here, "
+                     "though a small model can still be faster in fp32." if flags else
+                     "This CPU has no AMX-BF16/AVX512-BF16 instructions: bf16 is converted in software "
+                     "there, so slower is what to expect.")
+    elif dev.type == "cuda":
+        cc = cuda_capability(dev)
+        tc = "has bf16 Tensor Cores" if has_native_bf16(dev) else \
+            ("has fp16 Tensor Cores" if cc >= (7, 0) else "has no Tensor Cores")
+        lines.append(f"This GPU (sm_{cc[0]}{cc[1]}) {tc}; a CNN this small on 28-pixel images gives a GPU "
+                     "little work: the ResNet-50 table below shows more.")
+    lines.append("One run each, data loading and evaluation included, has no spread to judge the "
+                 "difference by: the benchmark below times the training step alone, many times.")
+    return "\n".join(_wrap(line) for line in lines)
+
+
 def _rows_spec(dev: torch.device, model: str) -> list[tuple[str, str, bool, bool, str]]:
     """(label, precision, tf32, channels_last, why skipped or '') for each row of the table."""
-    amp = recommend_precision(dev).precision
-    if amp == "fp32":  # a CPU without native bf16 (or a pre-Volta GPU): show what autocast costs there
-        amp = "bf16" if dev.type == "cpu" else "fp16"
+    amp = mixed_precision_for(dev)  # on a CPU without native bf16 (or before Volta): what autocast costs there
     tf32_note = "" if dev.type == "cuda" and cuda_capability(dev) >= (8, 0) else \
         "TF32 needs an NVIDIA Ampere-or-newer GPU (sm_80+)"
     convnet = model != "mlp"
@@ -56,11 +103,16 @@ def precision_table(model: str | None = None, batch: int | None = None, steps: i
     """Chapter 00: time one training step per row: strict FP32, TF32, AMP, AMP + channels_last.
 
     AMP uses the precision the course recommends for this device (bf16 on Ampere+, fp16 +
-    GradScaler on T4/V100). Defaults: ResNet-50 at 224 px, batch 128 on a GPU; SimpleCNN,
-    batch 64 on a CPU. A model sized for a GPU is refused on a CPU.
+    GradScaler on T4/V100; see `mixed_precision_for`). Defaults: on a GPU ResNet-50 at 224 px,
+    batch 128 with 24 GiB of memory or more and 64 below (a 16 GB T4 or V100), so that the fp32
+    row fits; on a CPU SimpleCNN, batch 64. A model sized for a GPU is refused on a CPU.
     """
     dev = pick_device(device)
-    d_model, d_batch, d_steps = ("resnet50", 128, 20) if dev.type == "cuda" else ("simplecnn", 64, 10)
+    if dev.type == "cuda":
+        big = torch.cuda.get_device_properties(dev).total_memory >= 24 * 2**30
+        d_model, d_batch, d_steps = "resnet50", 128 if big else 64, 20
+    else:
+        d_model, d_batch, d_steps = "simplecnn", 64, 10
     model, batch, steps = model or d_model, batch or d_batch, steps or d_steps
     if model in GPU_ONLY and dev.type != "cuda":
         raise ValueError(f"{model} at 224 px is sized for a GPU (minutes per step and >4 GB on a CPU); "
@@ -84,7 +136,8 @@ def precision_table(model: str | None = None, batch: int | None = None, steps: i
         q1, q3 = timing.quartiles_ms
         rows.append({"mode": label, "precision": precision, "tf32": allow_tf32, "channels_last": channels_last,
                      "model": model, "batch": batch, "steps": steps, "ms_per_step": timing.median_ms,
-                     "ms_q1": q1, "ms_q3": q3, "samples_per_s": batch / timing.median_ms * 1e3,
+                     "ms_q1": q1, "ms_q3": q3, "times_ms": timing.times_ms,
+                     "samples_per_s": batch / timing.median_ms * 1e3,
                      "peak_memory_gib": peak / 2**30 if peak is not None else None})
         # Free this row's model, gradients and optimizer state before the next row is measured:
         # max_memory_allocated counts everything still allocated, so a leftover would inflate it.
@@ -108,6 +161,60 @@ def format_table(rows: list[dict]) -> str:
         out.append(f"{r['mode']:<30}{r['ms_per_step']:>9.1f}{half:>15}{r['samples_per_s']:>11.0f}"
                    f"{r['speedup_vs_fp32']:>9.2f}x{mem:>11}")
     return "\n".join(out)
+
+
+def read_table(rows: list[dict]) -> str:
+    """Chapter 00: each timed row against the first (strict FP32) in words (course_lib.timing.compare):
+    faster or slower, by what factor, and whether the difference is larger than the spread."""
+    timed = [r for r in rows if "ms_per_step" in r]
+    return compare({r["mode"]: Timing(r["times_ms"]) for r in timed}, timed[0]["mode"])
+
+
+def draw_amp_step():
+    """Chapter 00: the picture of one mixed-precision training step: which numbers are fp32, which 16-bit."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
+
+    colours = {"fp32": ("#dbe7f5", "#3b6ea8"), "16": ("#fbe3cf", "#c0601a"), "scaler": ("#ffffff", "#5a8f3c")}
+    boxes = {  # name: (x centre, y centre, text, kind); top row forward, bottom row backward
+        "w": (1.2, 3.0, "master weights\nfp32", "fp32"),
+        "w16": (4.4, 3.0, "16-bit copies\nof the weights", "16"),
+        "fwd": (7.6, 3.0, "forward\nmatmuls, convs: 16 bits\ntheir sums: fp32", "16"),
+        "loss": (10.8, 3.0, "loss\nfp32", "fp32"),
+        "scale": (10.8, 1.0, "loss × S\n(fp16 only)", "scaler"),
+        "bwd": (7.6, 1.0, "backward\nmatmuls, convs: 16 bits\ntheir sums: fp32", "16"),
+        "grad": (4.4, 1.0, "weight gradients fp32\n÷ S; inf/NaN found:\nskip this step", "fp32"),
+        "upd": (1.2, 1.0, "optimizer update\nfp32", "fp32"),
+    }
+    fig, ax = plt.subplots(figsize=(10, 3.6))
+    for x, y, text, kind in boxes.values():
+        face, edge = colours[kind]
+        ax.add_patch(FancyBboxPatch((x - 1.1, y - 0.42), 2.2, 0.84, boxstyle="round,pad=0.05", fc=face, ec=edge,
+                                    lw=1.6, ls="--" if kind == "scaler" else "-"))
+        ax.text(x, y, text, ha="center", va="center", fontsize=9)
+    arrows = [("w", "w16", "autocast\ncasts"), ("w16", "fwd", ""), ("fwd", "loss", ""), ("loss", "scale", "GradScaler"),
+              ("scale", "bwd", ""), ("bwd", "grad", ""), ("grad", "upd", ""), ("upd", "w", "next step")]
+    for a, b, label in arrows:
+        (xa, ya), (xb, yb) = boxes[a][:2], boxes[b][:2]
+        if ya == yb:
+            start, end = (xa + 1.15 * (1 if xb > xa else -1), ya), (xb - 1.15 * (1 if xb > xa else -1), yb)
+        else:
+            start, end = (xa, ya - 0.47 * (1 if yb < ya else -1)), (xb, yb + 0.47 * (1 if yb < ya else -1))
+        ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=14, lw=1.3, color="#444444"))
+        if label:
+            offset = (0, 0.14) if ya == yb else (0.12, 0)
+            ax.text((start[0] + end[0]) / 2 + offset[0], (start[1] + end[1]) / 2 + offset[1], label, fontsize=8,
+                    ha="center" if ya == yb else "left", va="bottom" if ya == yb else "center", color="#444444")
+    handles = [Patch(fc=colours["fp32"][0], ec=colours["fp32"][1], label="fp32 (32 bits)"),
+               Patch(fc=colours["16"][0], ec=colours["16"][1], label="16 bits (fp16 or bf16)"),
+               Patch(fc="white", ec=colours["scaler"][1], ls="--", label="fp16 only: loss scaling by S")]
+    ax.legend(handles=handles, loc="center", ncol=3, fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.5))
+    ax.set_xlim(0, 12)
+    ax.set_ylim(0.35, 3.65)
+    ax.axis("off")
+    ax.set_title("One mixed-precision training step: top row forward, bottom row backward and update", fontsize=10)
+    fig.tight_layout()
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:

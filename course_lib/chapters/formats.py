@@ -288,7 +288,7 @@ def format_table(names: Iterable[str] = ("fp32", "tf32", "fp16", "bf16", "fp8_e4
                    "smallest_subnormal": fi.smallest_normal * fi.eps, "eps": fi.eps, "source": "torch.finfo"}
         else:
             row = {"max": f.max, "smallest_normal": f.smallest_normal, "smallest_subnormal": None,
-                   "eps": f.eps, "source": "layout (no torch dtype)"}
+                   "eps": f.eps, "source": "layout only"}
         rows.append({"format": f.name, "bits": f.bits, "exponent_bits": f.exponent_bits,
                      "mantissa_bits": f.mantissa_bits, "bias": f.bias, **row,
                      "decimal_digits": f.decimal_digits, "has_inf": f.has_inf, "dtype": str(f.dtype)})
@@ -296,7 +296,8 @@ def format_table(names: Iterable[str] = ("fp32", "tf32", "fp16", "bf16", "fp8_e4
 
 
 def format_table_text(names: Iterable[str] = ("fp32", "tf32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2")) -> str:
-    """Chapter 01: format_table as fixed-width text (deterministic, so the notebook test compares it)."""
+    """Chapter 01: format_table as fixed-width text, lines under 100 characters (deterministic, so
+    the notebook test compares it). "layout only": tf32 has no dtype, its row comes from its bits."""
     out = [f"{'format':<11}{'layout':>9}{'bias':>6}{'max':>12}{'min normal':>12}{'min subnormal':>15}"
            f"{'eps':>11}{'digits':>8}  source"]
     for r in format_table(names):

@@ -1,8 +1,10 @@
 """Matrix multiplies in each precision: how accurate (chapter 01) and how fast (chapter 02).
 
-A matmul is where mixed precision pays and where it costs: Tensor Cores multiply fp16/bf16
-(and TF32) inputs many times faster than fp32, and they accumulate in fp32, which keeps the
-error near the floor set by rounding the inputs.
+A matmul is where mixed precision pays and where it costs: on a GPU with a Tensor Core path
+for the format (fp16 from Volta on; bf16 and TF32 from Ampere on; fp8 from Ada and Hopper on)
+16-bit inputs are multiplied many times faster than fp32 (`peak_ratios_text` computes how much
+faster from the datasheets), and the products are summed in fp32, which keeps the error near
+the floor set by rounding the inputs.
 
     python -m course_lib.chapters.matmul error [--json data/reference/formats_matmul_<gpu>.json]
     python -m course_lib.chapters.matmul speed [--json data/reference/matmul_<gpu>.json]
@@ -16,12 +18,24 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..device import cuda_capability, peak_tflops, pick_device, tf32
+from ..device import PEAK_TFLOPS, cuda_capability, peak_tflops, pick_device, tf32
 from ..reference import record
 from ..timing import time_fn
 from .formats import Format, get_format
 
-__all__ = ["matmul_error", "matmul_table", "matmul_table_text", "matmul_speed_table", "format_matmul_speed"]
+__all__ = ["matmul_error", "matmul_table", "matmul_table_text", "matmul_speed_table", "format_matmul_speed",
+           "FP8_PEAK_TFLOPS", "peak_ratios", "peak_ratios_text"]
+
+# Dense fp8 Tensor Core peaks in TFLOP/s (the datasheets print them "with sparsity": halved here),
+# for the GPUs of device.PEAK_TFLOPS. None = no fp8 Tensor Cores (before Ada, sm_89, and Hopper,
+# sm_90); a GPU missing here has them, but no figure is cited. Sources (public):
+#   H100 SXM  FP8 3,958 (sparse)  https://www.nvidia.com/en-us/data-center/h100/
+#   H200      FP8 3,958 (sparse)  https://www.nvidia.com/en-us/data-center/h200/
+#   L4        FP8   485 (sparse)  https://resources.nvidia.com/en-us-data-center-overview/l4-gpu-datasheet
+FP8_PEAK_TFLOPS: dict[str, float | None] = {
+    "V100 SXM2": None, "V100 PCIe": None, "T4": None, "A10": None, "A100": None,
+    "L4": 242.5, "H100 SXM": 1979.0, "H200": 1979.0,
+}
 
 
 def _has_tf32(device: torch.device) -> bool:
@@ -106,10 +120,38 @@ def matmul_table(ks: Sequence[int] = (256, 4096, 65536), device: str | torch.dev
 
 
 def matmul_table_text(rows: list[dict]) -> str:
-    """Chapter 01: the rows of matmul_table as fixed-width text."""
-    columns = [c for c in rows[0] if c != "K"]
-    out = [f"{'K':>6}" + "".join(f"{c:>13}" for c in columns)]
-    out += [f"{r['K']:>6}" + "".join(f"{r[c]:>13.2e}" for c in columns) for r in rows]
+    """Chapter 01: the rows of matmul_table as fixed-width text, one line per mode and a column
+    per K (so that the eight modes of a GPU fit in 100 characters)."""
+    modes = [c for c in rows[0] if c != "K"]
+    out = [f"{'relative error':<16}" + "".join(f"{'K = ' + str(r['K']):>12}" for r in rows)]
+    out += [f"{m:<16}" + "".join(f"{r[m]:>12.2e}" for r in rows) for m in modes]
+    return "\n".join(out)
+
+
+def peak_ratios(peaks: dict[str, dict[str, float | None]] = PEAK_TFLOPS,
+                fp8: dict[str, float | None] = FP8_PEAK_TFLOPS) -> list[dict]:
+    """Chapter 01: per GPU, the datasheet peak of each 16-bit (and TF32) path over the fp32 peak,
+    and fp8's over bf16's. None: no Tensor Core path for that format on that GPU (bf16 on a
+    V100 or T4 still runs, emulated on the fp32 units); "n/a": no cited figure."""
+    rows = []
+    for gpu, p in peaks.items():
+        row: dict = {"gpu": gpu, "fp32_tflops": p["fp32"]}
+        for d in ("tf32", "fp16", "bf16"):
+            row[f"{d}/fp32"] = p.get(d) / p["fp32"] if p.get(d) else None
+        f8 = fp8.get(gpu, "n/a")
+        row["fp8/bf16"] = f8 / p["bf16"] if isinstance(f8, float) and p.get("bf16") else f8
+        rows.append(row)
+    return rows
+
+
+def peak_ratios_text(peaks: dict[str, dict[str, float | None]] = PEAK_TFLOPS) -> str:
+    """Chapter 01: peak_ratios as a fixed-width table (datasheet figures: the same on every machine)."""
+    keys = ("tf32/fp32", "fp16/fp32", "bf16/fp32", "fp8/bf16")
+    out = ["dense datasheet peaks: fp32 in TFLOP/s, the others as multiples of it (fp8: of bf16)",
+           f"{'GPU':<9}{'fp32':>6}" + "".join(f"{k.replace('/fp32', ''):>21}" for k in keys)]
+    for r in peak_ratios(peaks):
+        cells = [f"{r[k]:.1f}×" if isinstance(r[k], float) else (r[k] or "no Tensor Core path") for k in keys]
+        out.append(f"{r['gpu']:<9}{r['fp32_tflops']:>6}" + "".join(f"{c:>21}" for c in cells))
     return "\n".join(out)
 
 
@@ -130,8 +172,9 @@ def matmul_tflops(n: int, dtype: torch.dtype, device: torch.device | str, *, all
 def matmul_speed_table(n: int | None = None, device: str = "auto", iters: int = 10) -> list[dict]:
     """Chapter 02: matmul speed per dtype on this device, next to the datasheet peak.
 
-    On a GPU this is where Tensor Cores show: fp16/bf16 (and TF32 on sm_80+) run on them,
-    strict fp32 does not. n defaults to 8192 on CUDA (large enough to approach peak), 512 on a CPU.
+    On a GPU this is where Tensor Cores show: fp16 runs on them (and bf16 and TF32 on sm_80+;
+    on a T4 or V100 bf16 is emulated), strict fp32 does not. n defaults to 8192 on CUDA (large
+    enough to approach peak), 512 on a CPU.
     """
     dev = pick_device(device)
     n = n or (8192 if dev.type == "cuda" else 512)

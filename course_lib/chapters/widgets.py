@@ -9,6 +9,12 @@ The logic (parsing, flipping a bit, the table) is in plain functions that the te
 The displayed object carries three representations and the frontend picks the richest one it
 can show: the live widget (JupyterLab, Notebook 7, VS Code, Colab), an HTML table (nbviewer,
 GitHub, nbconvert, an untrusted notebook) or a fixed-width text table (a terminal, nbval).
+
+A saved notebook must not keep the widget view: its model lives in the kernel, so a notebook
+opened before running would show "Error displaying widget: model not found" (JupyterLab
+picks the view over the table). The stored output of the chapter's explorer cell therefore
+holds only the two tables (tests/test_widgets.py checks it); `without_widget_views` removes
+the view from outputs after a headless run.
 """
 from __future__ import annotations
 
@@ -110,26 +116,36 @@ def explorer_rows(value: float, formats: tuple[str, ...] = EXPLORER_FORMATS) -> 
     return [decompose(value, f) for f in formats]
 
 
-def _err(d: Decomposed) -> str:
+def _err(d: Decomposed, short: bool = False) -> str:
     if math.isnan(d.error):
         return "nan"
     if d.error == 0:
         return "exact"
-    return "inf (overflow)" if math.isinf(d.error) else f"{d.error:+.3e} ({d.rel_error:.1e} rel)"
+    if math.isinf(d.error):
+        return "overflow" if short else "inf (overflow)"
+    return f"{d.error:+.2e}" if short else f"{d.error:+.3e} ({d.rel_error:.1e} rel)"
 
 
 def _exp(d: Decomposed) -> str:
     return f"{d.exponent_field} → 2^{d.exponent}" if d.exponent is not None else f"{d.exponent_field} (special)"
 
 
+_KIND_WORDS = {"normal": "a normal number", "subnormal": "a subnormal number", "zero": "zero", "inf": "inf",
+               "nan": "NaN"}
+
+
 def static_text(value: float, formats: tuple[str, ...] = EXPLORER_FORMATS) -> str:
-    """The explorer's table as fixed-width text (what a terminal or a test sees)."""
+    """The explorer's table as fixed-width text (what a terminal or a test sees), lines of at
+    most 100 characters: the exponent column is the power of two, the error is absolute."""
     rows = explorer_rows(value, formats)
-    width = max(len(d.pretty_bits) for d in rows)
-    out = [f"{value!r} stored in each format (sign | exponent | mantissa):",
-           f"{'format':<11} {'bits':<{width}}  {'kind':<9}  {'exponent':<12}  {'stored value':<24}  error"]
+    bits_w = max(len(d.pretty_bits) for d in rows)
+    value_w = max(len("stored value"), *(len(repr(d.value)) for d in rows))
+    out = [f"{value!r} stored in each format (bits: sign | exponent | mantissa):",
+           f"{'format':<10} {'bits':<{bits_w}}  {'kind':<9} {'exponent':<8} {'stored value':<{value_w}} error"]
     for d in rows:
-        out.append(f"{d.format:<11} {d.pretty_bits:<{width}}  {d.kind:<9}  {_exp(d):<12}  {d.value!r:<24}  {_err(d)}")
+        power = f"2^{d.exponent}" if d.exponent is not None else "special"
+        out.append(f"{d.format:<10} {d.pretty_bits:<{bits_w}}  {d.kind:<9} {power:<8} {d.value!r:<{value_w}} "
+                   f"{_err(d, short=True)}")
     return "\n".join(out)
 
 
@@ -183,8 +199,7 @@ class BitExplorer:
             return data
         # The same view reference ipywidgets 7 (Colab's) and 8 emit; a frontend without widget
         # support falls back to the HTML table above.
-        data["application/vnd.jupyter.widget-view+json"] = {"version_major": 2, "version_minor": 0,
-                                                             "model_id": box.model_id}
+        data[WIDGET_VIEW] = {"version_major": 2, "version_minor": 0, "model_id": box.model_id}
         return data
 
     # ------------------------------------------------------------ the widget
@@ -246,8 +261,11 @@ class BitExplorer:
             self._bits.children = buttons
         for b, bit in zip(self._bits.children, d.bits):
             b.description = bit
-        self._meaning.value = (f"<code>{d.format}</code> pattern <code>{d.pattern:#x}</code> is a <b>{d.kind}</b>: "
-                               f"<code>{html.escape(d.formula)}</code>")
+        self._meaning.value = (f"<code>{d.format}</code> pattern <code>{d.pattern:#x}</code> is "
+                               f"<b>{_KIND_WORDS[d.kind]}</b>: <code>{html.escape(d.formula)}</code>")
+
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
 def bit_explorer(value: float = 0.1, edit_format: str = "bf16",
