@@ -217,6 +217,17 @@ for host in ("127.0.0.1", "localhost"):
         socket.create_connection((host, {port}), timeout=2).close()
     except OSError as e:
         print("no network:", e)"""],
+        "talks_to_itself": [IMPORT, """
+import socket
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen()
+client = socket.create_connection(server.getsockname(), timeout=5)  # e.g. two DDP ranks of one submission
+conn, _ = server.accept()
+client.sendall(b"ok")
+WORKS = conn.recv(2) == b"ok"
+def add(a, b):
+    return a + b if WORKS else 0""", GOOD_CLIP],
         "crashes_after_a_pass": [IMPORT, GOOD_ADD, "import os\nLIMIT = 3.0\n\ndef clip(x):\n    os._exit(1)"],
         "segfaults_after_a_pass": [IMPORT, GOOD_ADD, "import ctypes\nLIMIT = 3.0\n\ndef clip(x):\n"
                                                       "    return ctypes.string_at(0)"],
@@ -322,8 +333,9 @@ def test_nothing_outlives_its_grading(graded):
 
 
 @needs_namespaces
-def test_no_network_inside_the_sandbox(graded):
+def test_no_network_inside_the_sandbox_but_its_own_loopback(graded):
     assert graded["listener"].connections == 0
+    assert points(graded["table"], "talks_to_itself")["99.add"] == (2, "passed")
 
 
 @needs_namespaces
@@ -433,12 +445,17 @@ def test_without_namespaces_the_grader_warns_kills_every_process_and_detects_a_c
     assert points(table, "crashes_after_a_pass") == {"99.add": (2, "passed"), "99.clip": (0, "crashed after")}
     time.sleep(5)
     assert not marker.exists() and grading_processes() == []
-    (subs / "zz_tamper").mkdir()
-    (subs / "zz_tamper" / "99_fixture.ipynb").write_text(notebook(cells["writes_the_checkout"]))
-    second = grade(course, subs, out, home, "--isolation", "session")
-    assert second.returncode == 2 and "the course's files changed while zz_tamper" in second.stderr
-    tampered = by_student(out)["zz_tamper"]
-    assert all(r["points"] == 0 and "changed the course's own files" in r["message"] for r in tampered.values())
+    (subs / "a_tamper").mkdir()
+    (subs / "a_tamper" / "99_fixture.ipynb").write_text(notebook(cells["writes_the_checkout"]))
+    for n in range(4):  # queued behind it: none of them may be graded on a changed checkout
+        (subs / f"z_after_{n}").mkdir()
+        (subs / f"z_after_{n}" / "99_fixture.ipynb").write_text(notebook(cells["good"]))
+    second = grade(course, subs, out, home, "--isolation", "session", "--jobs", "1")
+    assert second.returncode == 2 and "the course's files changed while a_tamper" in second.stderr
+    table = by_student(out)
+    assert all(r["points"] == 0 and "changed the course's own files" in r["message"]
+               for r in table["a_tamper"].values())
+    assert not [s for s in table if s.startswith("z_after")]
 
 
 # --------------------------------------------------------------------------- the real chapters

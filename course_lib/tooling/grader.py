@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -224,6 +224,8 @@ class Options:
 
 def grade_submission(sub: Submission, opts: Options, book: Gradebook, digest: str) -> list[dict]:
     """Grade one notebook; every judged task is recorded as soon as it is judged. Returns its rows."""
+    if _course_digest() != digest:  # another submission changed the course: grade nothing more
+        raise RuntimeError(f"the course's files changed before {sub.notebook} was graded")
     run = secrets.token_hex(8)
     rows: list[dict] = []
 
@@ -358,9 +360,12 @@ def grade_folder(submissions: Path, out_dir: Path, *, jobs: int = 2, cell_timeou
         print(f"grader: resuming: {len(subs) - len(todo)} of {len(subs)} submissions already graded in "
               f"{book.journal}")
     digest = _course_digest()
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
-        for fut in [pool.submit(grade_submission, s, opts, book, digest) for s in todo]:
+    pool = ThreadPoolExecutor(max(1, jobs))
+    try:
+        for fut in as_completed([pool.submit(grade_submission, s, opts, book, digest) for s in todo]):
             fut.result()  # a changed checkout stops the run here, loudly
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # nothing more is graded on a changed checkout
     rows = [r for s in subs for r in book.finished.get(s.notebook, [])]
     _print_summary(subs, book, time.monotonic() - started, Path(out_dir))
     return rows

@@ -30,9 +30,11 @@ __all__ = ["available", "environment", "command", "start", "end", "course_copy"]
 ROOT = Path(__file__).resolve().parents[2]
 
 # Runs as PID 1 of the new namespaces, as root of the new user namespace (which is the caller's
-# own user outside it): make every mount read-only, give /dev/shm a private tmpfs, make the
-# sandbox writable again, then become the runner.
+# own user outside it): bring up the namespace's own loopback (processes of one submission may
+# talk to each other, e.g. two DDP ranks, but reach nothing outside), make every mount
+# read-only, give /dev/shm a private tmpfs, make the sandbox writable again, become the runner.
 _NS_SCRIPT = r"""set -e
+if command -v ip >/dev/null; then ip link set lo up; fi
 for mp in $(findmnt -rn -o TARGET | sort -u); do
   case "$mp" in /proc|/proc/*|/sys|/sys/*|/dev|/dev/*) ;; *) mount -o remount,bind,ro "$mp" ;; esac
 done
