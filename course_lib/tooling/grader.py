@@ -159,26 +159,14 @@ class _Responses:
         except OSError:
             return []
         self.offset += len(chunk)
-        self.buffer += chunk
-        out = []
-        while b"\n" in self.buffer:
-            line, self.buffer = self.buffer.split(b"\n", 1)
-            try:
-                value = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(value, dict):
-                out.append(value)
+        *lines, self.buffer = (self.buffer + chunk).split(b"\n")
         if len(self.buffer) > MAX_RESPONSE_LINE:
             self.buffer = b""  # an endless line is not an answer
-        return out
+        return _json_dicts(lines)
 
 
-def _events(io: Path) -> list[dict]:
-    try:
-        lines = (io / "status.jsonl").read_text(errors="replace").splitlines()
-    except OSError:
-        return []
+def _json_dicts(lines: list) -> list[dict]:
+    """The lines that are JSON objects, parsed; anything else (a torn or forged line) is skipped."""
     out = []
     for line in lines:
         try:
@@ -188,6 +176,13 @@ def _events(io: Path) -> list[dict]:
         if isinstance(value, dict):
             out.append(value)
     return out
+
+
+def _events(io: Path) -> list[dict]:
+    try:
+        return _json_dicts((io / "status.jsonl").read_text(errors="replace").splitlines())
+    except OSError:
+        return []
 
 
 def _unanswered(check: Check, events: list[dict], total_timeout: float, ran_out: bool) -> tuple[str, str]:

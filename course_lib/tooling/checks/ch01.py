@@ -45,9 +45,6 @@ class DecodeFp16(Check):
         rng.shuffle(patterns)  # every pattern, in an order that must not matter
         return patterns
 
-    def run(self, case: int, decode_fp16) -> object:
-        return decode_fp16(case)
-
     def describe(self, case: int) -> str:
         return f"decode_fp16({case:#06x})"
 
@@ -98,9 +95,6 @@ class RoundToBf16(Check):
         cases += [rng.getrandbits(32) for _ in range(20000)]
         rng.shuffle(cases)
         return cases
-
-    def run(self, case: int, round_to_bf16) -> object:
-        return round_to_bf16(case)
 
     def describe(self, case: int) -> str:
         return f"round_to_bf16({case:#010x})"
