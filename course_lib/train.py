@@ -124,22 +124,25 @@ class Trainer:
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """One optimizer step over `micro_batches`; returns True if it was skipped.
 
-        The loss of each micro-batch is divided by their number, so that with equal-sized
-        micro-batches and a mean-reduced loss the summed gradient equals the big batch's.
+        The mean loss of each micro-batch is weighted by its share of the samples, len(y) / total
+        (loss / n when all n have the same size), so that the summed gradient equals the big
+        batch's even when the epoch's short last batch is one of them (chapter 04).
         """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         n, total = len(micro_batches), torch.zeros((), device=self.device)
+        samples = sum(len(y) for _, y in micro_batches)
         is_ddp = isinstance(self.model, nn.parallel.DistributedDataParallel)
         for i, (x, y) in enumerate(micro_batches):
+            share = len(y) / samples  # 1 / n for equal sizes; a short batch counts less
             x, y = self._to_device(x, y)
             # DDP all-reduces gradients during backward; skip that on all but the last micro-batch.
             sync = self.model.no_sync() if (is_ddp and i < n - 1) else contextlib.nullcontext()
             with sync:
                 with self.autocast():          # forward and loss only ...
                     loss = self.loss_fn(self.model(x), y)
-                self.scaler.scale(loss / n).backward()  # ... backward outside autocast
-            total += loss.detach().float() / n
+                self.scaler.scale(loss * share).backward()  # ... backward outside autocast
+            total += loss.detach().float() * share
         grad_norm = None
         if self.cfg.clip_grad_norm is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones

@@ -1,0 +1,151 @@
+"""Exercise 04's check accepts a right accumulation loop and rejects the usual wrong ones.
+
+The check runs exactly as the grader judges it (course_lib.tooling.grading.run_check): cases
+and the large-batch reference in this process, the learner's results through JSON. Loops that
+stand for notebook code are defined in a module named __main__, as a notebook cell defines them,
+so that the shortcut detector sees them.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from course_lib.chapters.accumulation import accumulation_step
+from course_lib.tooling.grading import checks_for, run_check
+
+NAME = "04.accumulate"
+HEADER = """
+import torch
+import torch.nn.functional as F
+
+def accumulate(model, optimizer, scaler, micro_batches, loss_fn, dtype):
+    device_type = next(model.parameters()).device.type
+    total = sum(len(y) for _, y in micro_batches)
+"""
+RIGHT = HEADER + """
+    optimizer.zero_grad()
+    for x, y in micro_batches:
+        with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
+            loss = loss_fn(model(x), y) * (len(y) / total)
+        scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+"""
+
+
+def notebook_function(source: str, **names) -> object:
+    namespace = {"__name__": "__main__", **names}
+    exec(source, namespace)
+    return namespace["accumulate"]
+
+
+def verdict(fn, seed: int | None = None) -> tuple[str, str]:
+    status, message, _ = run_check(NAME, fn, rng=random.Random(seed) if seed is not None else None)
+    return status, message
+
+
+def fails(fn, seed: int | None = 0) -> str:
+    status, message = verdict(fn, seed)
+    assert status == "failed", f"{NAME} accepted a wrong loop: {message}"
+    return message
+
+
+def test_the_right_loop_passes_on_fresh_cases():
+    for _ in range(3):
+        status, message = verdict(notebook_function(RIGHT))
+        assert status == "passed", message
+
+
+def test_other_right_loops_pass_too():
+    # zero_grad at the end of the previous step is not enough here: the check fills .grad first
+    summed = HEADER + """
+    optimizer.zero_grad(set_to_none=False)
+    for x, y in micro_batches:
+        with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
+            out = model(x)
+            loss = loss_fn(out, y) * len(y)
+        scaler.scale(loss / total).backward()
+    if scaler.is_enabled():
+        scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+"""
+    status, message = verdict(notebook_function(summed), seed=1)
+    assert status == "passed", message
+
+
+WRONG = {
+    "loss not divided": ("loss = loss_fn(model(x), y) * (len(y) / total)", "loss = loss_fn(model(x), y)",
+                         "was not divided"),
+    "mean of means on ragged micro-batches": ("* (len(y) / total)", "/ len(micro_batches)", "len(y) / total"),
+    "zero_grad inside the micro-batch loop": ("    optimizer.zero_grad()\n    for x, y in micro_batches:\n",
+                                              "    for x, y in micro_batches:\n        optimizer.zero_grad()\n",
+                                              "zero_grad() inside"),
+    "no zero_grad at all": ("    optimizer.zero_grad()\n", "", "zero the gradients first"),
+    "step every micro-batch": ("        scaler.scale(loss).backward()\n    scaler.step(optimizer)\n"
+                               "    scaler.update()",
+                               "        scaler.scale(loss).backward()\n        scaler.step(optimizer)\n"
+                               "        scaler.update()", "optimizer.step() ran"),
+    "update every micro-batch, after unscale_": ("        scaler.scale(loss).backward()\n    scaler.step(optimizer)\n"
+                                                 "    scaler.update()",
+                                                 "        scaler.scale(loss).backward()\n"
+                                                 "        scaler.unscale_(optimizer)\n"
+                                                 "        if y is micro_batches[-1][1]:\n"
+                                                 "            scaler.step(optimizer)\n"
+                                                 "        scaler.update()", "scaler.update() ran"),
+    "update every micro-batch, step at the end": ("        scaler.scale(loss).backward()\n",
+                                                  "        scaler.scale(loss).backward()\n"
+                                                  "        scaler.update()\n", "No inf checks"),
+    "optimizer.step instead of scaler.step": ("    scaler.step(optimizer)", "    optimizer.step()",
+                                              "No inf checks"),  # torch's own message, from update()
+    "backward without the scaler": ("scaler.scale(loss).backward()", "loss.backward()", ""),
+    "no autocast": ("enabled=dtype is not None", "enabled=False", "torch.autocast(device_type"),
+    "autocast always on": ("dtype=dtype, enabled=dtype is not None", "dtype=dtype or torch.bfloat16", "expected"),
+}
+
+
+@pytest.mark.parametrize("mistake", WRONG)
+def test_plausible_mistakes_fail_with_a_message_that_names_them(mistake):
+    old, new, says = WRONG[mistake]
+    assert old in RIGHT
+    message = fails(notebook_function(RIGHT.replace(old, new)))
+    assert says in message, message
+
+
+def test_a_hard_coded_answer_fails():
+    # the right loop on fixed data of the right shapes instead of the micro-batches it is given
+    fixed = RIGHT.replace("    for x, y in micro_batches:\n", """    torch.manual_seed(0)
+    fixed = [(torch.randn_like(x), y) for x, y in micro_batches]
+    for x, y in fixed:
+""")
+    assert fixed != RIGHT
+    assert "differ from the large batch's" in fails(notebook_function(fixed))
+
+
+def test_the_ragged_cases_alone_catch_the_mean_of_means():
+    # even a bf16 case, where the tolerance is widest, tells the mean of means apart
+    old, new, _ = WRONG["mean of means on ragged micro-batches"]
+    wrong = notebook_function(RIGHT.replace(old, new))
+    rejected = sum(verdict(wrong, seed)[0] == "failed" for seed in range(5))
+    assert rejected == 5
+
+
+def test_calling_the_chapters_loop_is_refused():
+    shortcut = notebook_function("def accumulate(model, optimizer, scaler, micro_batches, loss_fn, dtype):\n"
+                                 "    accumulation_step(model, optimizer, scaler, micro_batches, loss_fn, dtype)\n",
+                                 accumulation_step=accumulation_step)
+    message = fails(shortcut)
+    assert "which this task asks you not to use" in message and "write the loop yourself" in message
+
+
+def test_the_library_loop_itself_is_right():
+    # what the chapter teaches passes, when it is not called from the learner's own code
+    status, message = verdict(lambda m, o, s, mb, fn, dt: accumulation_step(m, o, s, mb, fn, dt), seed=2)
+    assert status == "passed", message
+
+
+def test_the_check_has_points_and_a_hint():
+    (check,) = checks_for("04")
+    assert check.points >= 2 and "len(y)" in check.hint

@@ -1,0 +1,182 @@
+"""Exercise 05's check accepts a fixed loop and rejects each planted mistake on its own.
+
+The check is run exactly as the grader judges it (run_check: cases and reference in this process,
+the learner's side through JSON). Loops are defined in a module named __main__, as a notebook
+cell defines them, so the shortcut detector sees their calls.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from course_lib.chapters import multi
+from course_lib.tooling.grading import checks_for, run_check
+
+NAME = "05.fix_two_models"
+
+FIXED = '''
+def train_two_models(model0, model1, opt0, opt1, scaler, batches, max_norm, dtype):
+    for x, y in batches:
+        opt0.zero_grad()
+        opt1.zero_grad()
+        with torch.autocast(x.device.type, dtype=dtype):
+            out0, out1 = model0(x), model1(x)
+            loss0 = F.mse_loss(2 * out0 + 3 * out1, y)
+            loss1 = F.mse_loss(3 * out0 - 5 * out1, y)
+        scaler.scale(loss0).backward(retain_graph=True)
+        scaler.scale(loss1).backward()
+        scaler.unscale_(opt0)
+        torch.nn.utils.clip_grad_norm_(model0.parameters(), max_norm)
+        scaler.step(opt0)
+        scaler.step(opt1)
+        scaler.update()
+'''
+
+# The broken loop of the exercise notebook: all five mistakes at once.
+BROKEN = '''
+def train_two_models(model0, model1, opt0, opt1, scaler, batches, max_norm, dtype):
+    for x, y in batches:
+        opt0.zero_grad()
+        with torch.autocast(x.device.type, dtype=dtype):
+            out0, out1 = model0(x), model1(x)
+            loss0 = F.mse_loss(2 * out0 + 3 * out1, y)
+            loss1 = F.mse_loss(3 * out0 - 5 * out1, y)
+        scaler.scale(loss0).backward()
+        opt1.zero_grad()
+        scaler.scale(loss1).backward()
+        torch.nn.utils.clip_grad_norm_(model0.parameters(), max_norm)
+        scaler.unscale_(opt0)
+        scaler.step(opt0)
+        scaler.update()
+        opt1.step()
+'''
+
+CLIP = "scaler.unscale_(opt0)\n        torch.nn.utils.clip_grad_norm_(model0.parameters(), max_norm)"
+# One planted mistake each: (what to replace in FIXED, with what, a phrase the message must contain)
+MISTAKES = {
+    "missing retain_graph": ("backward(retain_graph=True)", "backward()", "retain_graph"),
+    "zero_grad between the backwards": ("scaler.scale(loss1).backward()",
+                                        "opt1.zero_grad()\n        scaler.scale(loss1).backward()",
+                                        "between the two backward() calls"),
+    "zero_grad after backward": ("scaler.unscale_(opt0)", "opt1.zero_grad(set_to_none=False)\n        "
+                                                           "scaler.unscale_(opt0)", "differ from a correct loop"),
+    "unscale_ after clipping": (CLIP, "torch.nn.utils.clip_grad_norm_(model0.parameters(), max_norm)\n        "
+                                      "scaler.unscale_(opt0)", "before scaler.unscale_(opt0)"),
+    "no clipping": (CLIP, "scaler.unscale_(opt0)", "not clipped"),
+    "clipping both models": (CLIP, CLIP + "\n        scaler.unscale_(opt1)\n        "
+                                   "torch.nn.utils.clip_grad_norm_(model1.parameters(), max_norm)", "clipped too"),
+    "update() once per optimizer": ("scaler.step(opt0)\n", "scaler.step(opt0)\n        scaler.update()\n",
+                                    "scaler.update() ran"),
+    "update() between the steps": ("scaler.step(opt1)\n        scaler.update()",
+                                   "scaler.update()\n        scaler.step(opt1)", "before scaler.step(opt1)"),
+    "no update()": ("        scaler.update()\n", "", "unscale_() is being called after step()"),
+    "scaler.step skipped for opt1": ("scaler.step(opt1)", "opt1.step()", "opt1.step() was called directly"),
+    "opt1 never stepped": ("scaler.step(opt1)", "pass", "scaler.step(opt1) ran 0 times"),
+}
+
+
+def notebook_function(source: str, **names) -> object:
+    namespace = {"__name__": "__main__", "torch": torch, "F": F, "nn": nn, **names}
+    exec(source, namespace)
+    return namespace["train_two_models"]
+
+
+def verdict(fn, seed: int | None = None) -> tuple[str, str]:
+    status, message, _ = run_check(NAME, fn, rng=random.Random(seed) if seed is not None else None)
+    return status, message
+
+
+pytestmark = pytest.mark.skipif(not multi.cpu_fp16_scaler_works(), reason="needs CPU fp16 autocast + GradScaler")
+
+
+def test_the_fixed_loop_passes_on_fresh_cases():
+    for _ in range(2):
+        status, message = verdict(notebook_function(FIXED))
+        assert status == "passed", message
+
+
+def test_one_backward_of_the_summed_losses_is_also_right():
+    summed = FIXED.replace("scaler.scale(loss0).backward(retain_graph=True)\n        scaler.scale(loss1).backward()",
+                           "scaler.scale(loss0 + loss1).backward()")
+    status, message = verdict(notebook_function(summed))
+    assert status == "passed", message
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_each_planted_mistake_alone_fails_with_a_message_that_names_it(mistake):
+    old, new, phrase = MISTAKES[mistake]
+    assert old in FIXED
+    status, message = verdict(notebook_function(FIXED.replace(old, new, 1)), seed=1)
+    assert status == "failed", f"{mistake} was accepted"
+    assert phrase in message, message
+
+
+def test_the_exercises_broken_loop_fails():
+    status, message = verdict(notebook_function(BROKEN))
+    assert status == "failed" and "retain_graph" in message
+
+
+def test_a_hard_coded_answer_fails():
+    def nothing(model0, model1, opt0, opt1, scaler, batches, max_norm, dtype):
+        return None
+
+    def constant(model0, model1, opt0, opt1, scaler, batches, max_norm, dtype):
+        with torch.no_grad():
+            for p in [*model0.parameters(), *model1.parameters()]:
+                p.fill_(0.01)
+
+    assert "ran 0 times" in verdict(nothing)[1]
+    replayed = FIXED.replace("        scaler.update()\n", "        scaler.update()\n    " + "\n".join(
+        ["with torch.no_grad():", "        for p in [*model0.parameters(), *model1.parameters()]:",
+         "            p.fill_(0.01)"]).replace("\n", "\n    ") + "\n")
+    status, message = verdict(notebook_function(replayed))
+    assert status == "failed" and "differ from a correct loop" in message
+    assert verdict(constant)[0] == "failed"
+
+
+def test_calling_the_chapters_loop_is_refused():
+    shortcut = notebook_function('''
+def train_two_models(model0, model1, opt0, opt1, scaler, batches, max_norm, dtype):
+    mode = multi.AmpMode("cpu", dtype, True, "")
+    for x, y in batches:
+        multi.two_model_step(model0, model1, opt0, opt1, scaler, x, y, mode, max_norm)
+''', multi=multi)
+    status, message = verdict(shortcut)
+    assert status == "failed" and "course_lib.chapters.multi" in message
+
+
+def test_the_check_has_points_and_a_hint():
+    (check,) = checks_for("05")
+    assert check.points > 0 and "retain_graph=True" in check.hint
+
+
+def test_judging_in_threads_is_safe():
+    """The batch grader judges submissions in threads: the judge must not touch global state."""
+    import json
+    import threading
+
+    from course_lib.tooling.grading import get_check, respond
+
+    check = get_check(NAME)
+    cases = check.cases(random.Random(3))
+    response = json.loads(json.dumps(respond(check, cases, {"train_two_models": notebook_function(FIXED)})))
+    errors: list[BaseException] = []
+
+    def judge() -> None:
+        try:
+            for _ in range(2):
+                torch.manual_seed(random.randrange(1000))  # another thread's use of the global RNG
+                check.judge(cases, response["results"])
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=judge) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
