@@ -1,0 +1,171 @@
+"""Checks for exercise 07 (data loading). The learner's function returns DataLoader settings as plain
+data; the grader validates them, builds the loader in its own process on its own dataset and
+augmentation, and measures how long a training loop with a fixed simulated step waits for data.
+Nothing the learner's code measures or prints is used: only the settings."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from torch.utils.data import DataLoader
+
+from ...chapters import loading
+from ...data import load_dataset
+from ..grading import Check, CheckFailure, register
+
+__all__: list[str] = []  # the checks register themselves; nothing here is imported by name
+
+THRESHOLD = 0.15   # at most this fraction of the loop's time may be spent waiting for data
+TOLERANCE = 0.20   # on a machine too busy for the grader's own settings: as good as those, within this
+STEPS = 14
+MEASURE_LIMIT = 120.0  # seconds for one submission's measurements, torch's import included
+ALLOWED = {"batch_size": "the case's batch size", "num_workers": "an int from 0 to {max_workers}",
+           "prefetch_factor": "None or an int from 1 to 16", "persistent_workers": "True or False",
+           "pin_memory": "True or False", "shuffle": "True or False", "drop_last": "True or False"}
+# Judges of several submissions run in threads of one grader: measuring one at a time keeps one
+# measurement's workers from taking the cores another measurement needs.
+_MEASURING = threading.Lock()
+
+
+@functools.cache
+def _dataset() -> loading.AugmentedImages:
+    images, labels = loading.raw_images(load_dataset(train_size=1000, verbose=False))
+    return loading.AugmentedImages(images, labels)
+
+
+def _max_workers(n_cpus: int) -> int:
+    return min(4 * n_cpus, 32)
+
+
+def validate(settings: object, case: dict) -> dict:
+    """The settings as DataLoader keyword arguments, or CheckFailure saying what is wrong with them."""
+    example = "{'batch_size': %d, 'num_workers': 2}" % case["batch_size"]
+    if not isinstance(settings, dict):
+        raise CheckFailure(f"loader_settings returned {settings!r}; expected a dict of DataLoader keyword "
+                           f"arguments, e.g. {example}")
+    unknown = sorted(set(settings) - set(ALLOWED))
+    if unknown:
+        raise CheckFailure(f"loader_settings returned settings this task does not take: {unknown}; "
+                           f"allowed: {sorted(ALLOWED)}")
+    limit = _max_workers(case["cpus"])
+    for key, value in settings.items():
+        if key == "batch_size":
+            ok = value == case["batch_size"] and type(value) is int
+        elif key == "num_workers":
+            ok = type(value) is int and 0 <= value <= limit
+        elif key == "prefetch_factor":
+            ok = value is None or (type(value) is int and 1 <= value <= 16)
+        else:
+            ok = type(value) is bool
+        if not ok:
+            want = ALLOWED[key].format(max_workers=limit)
+            raise CheckFailure(f"loader_settings returned {key}={value!r}; expected {want}"
+                               + (" (the model's batch size is fixed)" if key == "batch_size" else ""))
+    if "batch_size" not in settings:
+        raise CheckFailure(f"loader_settings returned no batch_size; the model takes batches of "
+                           f"{case['batch_size']}, e.g. {example}")
+    return dict(settings)
+
+
+def reference_settings(case: dict) -> dict:
+    """The grader's own answer: enough workers to keep up, within the cores there are."""
+    return {"batch_size": case["batch_size"],
+            "num_workers": min(max(case["cpus"], 1), loading.workers_needed(case["load_ms"], case["step_ms"]))}
+
+
+def measurements(case: dict, settings: dict) -> tuple[float, float | None]:
+    """The learner's wait fraction, and only when that fails: the grader's own settings measured just
+    after it, and the learner's again (the better of its two runs counts). Returns (mine, theirs)."""
+    mine = wait_fraction(settings, case["step_ms"])
+    if mine <= THRESHOLD:
+        return mine, None
+    theirs = wait_fraction(reference_settings(case), case["step_ms"])
+    return min(mine, wait_fraction(settings, case["step_ms"])), theirs
+
+
+def measure_in_fresh_process(case: dict, settings: dict) -> tuple[float, float | None]:
+    """measurements() in a new Python process. The DataLoader forks its workers, and forking the
+    grader, whose judges run in threads, could copy a lock another thread holds into a worker that
+    then waits for it forever. A fresh process has one thread, and a time limit."""
+    root = Path(__file__).resolve().parents[3]
+    command = [sys.executable, "-m", __name__, json.dumps([case, settings])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=MEASURE_LIMIT, cwd=root, env=env)
+    except subprocess.TimeoutExpired:
+        raise CheckFailure(f"measuring a loader with {settings!r} took over {MEASURE_LIMIT:.0f} s") from None
+    if done.returncode != 0:
+        raise CheckFailure(f"the loader with {settings!r} failed: {done.stderr.strip()[-600:]}")
+    mine, theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    return mine, theirs
+
+
+def wait_fraction(settings: dict, step_ms: float) -> float:
+    """Build the loader in this process and measure the fraction of the loop's time spent in next()."""
+    with loading.quiet_loader_warnings():
+        loader = DataLoader(_dataset(), **settings)
+        return loading.measure_loader(loader, loading.simulated_step(step_ms), steps=STEPS).wait_fraction
+
+
+@register
+class LoaderSettings(Check):
+    name, args, points = "07.loader_settings", ("loader_settings",), 4
+    hint = ("Each worker makes one batch every load_ms; the model takes one every step_ms. So you need at least "
+            "load_ms / step_ms workers (round up, and leave some headroom), but more than `cpus` cannot run at "
+            "once. num_workers=0 loads in the training process itself, between steps.")
+    time_limit = 30.0
+
+    def cases(self, rng: random.Random) -> list:
+        n = loading.cpus()
+        with _MEASURING:  # one core's cost per image of the grader's augmentation, on this machine, now
+            probe = DataLoader(_dataset(), batch_size=32)
+            run = loading.measure_loader(probe, loading.simulated_step(0), steps=4, warmup=1)
+        per_image_ms = run.step.median_ms / 32
+        out = []
+        for batch_size in (rng.choice([24, 32, 40]), rng.choice([48, 56, 64])):
+            load_ms = per_image_ms * batch_size
+            # a model faster than one core's augmentation, but one that the cores here can keep fed
+            ratio = rng.uniform(0.65, 0.75) if n >= 2 else rng.uniform(1.3, 1.5)
+            out.append({"batch_size": batch_size, "load_ms": round(load_ms, 1),
+                        "step_ms": round(ratio * load_ms, 1), "cpus": n})
+        return out
+
+    def run(self, case: dict, loader_settings) -> object:
+        return loader_settings(**case)
+
+    def describe(self, case: dict) -> str:
+        return ("loader_settings(" + ", ".join(f"{k}={v!r}" for k, v in case.items()) + ")")
+
+    def judge(self, cases: list, results: list) -> None:
+        for case, got in zip(cases, results):
+            settings = validate(got, case)
+            try:
+                with loading.quiet_loader_warnings():
+                    DataLoader(_dataset(), **settings)
+            except (ValueError, TypeError) as e:
+                raise CheckFailure(f"DataLoader refused the settings {settings!r}: {e}") from None
+            self._measure(case, settings)
+
+    def _measure(self, case: dict, settings: dict) -> None:
+        call, step, ours = self.describe(case), case["step_ms"], reference_settings(case)
+        with _MEASURING:
+            mine, theirs = measure_in_fresh_process(case, settings)
+        if mine <= THRESHOLD:
+            return
+        said = (f"{call} returned {settings!r}: a loop with {step:g} ms of compute per step waited for data "
+                f"{mine:.0%} of the time (at most {THRESHOLD:.0%} passes); with {ours!r} it waited {theirs:.0%} "
+                "on this machine just now")
+        if theirs <= THRESHOLD or settings.get("num_workers", 0) == 0 or mine > theirs + TOLERANCE:
+            raise CheckFailure(said)
+        # The grader's own settings could not hide the loading either (a busy machine): as good as
+        # those, within the tolerance, passes; loading in the training process itself never does.
+
+
+if __name__ == "__main__":  # measure_in_fresh_process: python -m course_lib.tooling.checks.ch07 '[case, settings]'
+    print(json.dumps(measurements(*json.loads(sys.argv[1]))))

@@ -1,0 +1,135 @@
+"""Exercise 07's check: settings are validated, then measured in the grader's process.
+
+The check runs exactly as the grader judges it (run_check). A good configuration passes;
+loading in the training process (num_workers=0) with the heavy augmentation fails on its measured
+wait; invalid settings fail before anything is measured, with a message naming the problem; an
+answer that is not a dict of settings (a number, a DataLoader object) fails; a hard-coded dict
+fails because the batch size is drawn fresh. The busy-machine rule is tested with scripted
+measurements, so that its verdicts do not depend on this machine's load.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from torch.utils.data import DataLoader, TensorDataset
+
+from course_lib.tooling.checks import ch07
+from course_lib.tooling.grading import CheckFailure, checks_for, run_check
+
+NAME = "07.loader_settings"
+
+
+def verdict(fn, seed=None) -> tuple[str, str]:
+    status, message, _ = run_check(NAME, fn, rng=random.Random(seed) if seed is not None else None)
+    return status, message
+
+
+def fails(fn, seed=None) -> str:
+    status, message = verdict(fn, seed)
+    assert status == "failed", f"accepted a wrong answer: {message}"
+    return message
+
+
+def good(batch_size, load_ms, step_ms, cpus):
+    workers = max(1, min(cpus, math.ceil(1.25 * load_ms / step_ms)))
+    return {"batch_size": batch_size, "num_workers": workers, "prefetch_factor": 4, "persistent_workers": True}
+
+
+def test_good_settings_pass():
+    for _ in range(2):
+        status, message = verdict(good)
+        assert status == "passed", message
+
+
+def test_loading_in_the_training_process_fails_on_its_measured_wait():
+    msg = fails(lambda batch_size, load_ms, step_ms, cpus: {"batch_size": batch_size})
+    assert "waited for data" in msg and "at most 15% passes" in msg
+
+
+@pytest.mark.parametrize("settings, expected", [
+    ({"num_workers": 2, "sampler": None}, "settings this task does not take: ['sampler']"),
+    ({"num_workers": -1}, "num_workers=-1; expected an int from 0 to"),
+    ({"num_workers": 10_000}, "num_workers=10000; expected an int from 0 to"),
+    ({"num_workers": 2.0}, "num_workers=2.0; expected an int"),
+    ({"num_workers": 2, "prefetch_factor": 0}, "prefetch_factor=0; expected None or an int from 1 to 16"),
+    ({"num_workers": 2, "pin_memory": 1}, "pin_memory=1; expected True or False"),
+    ({"num_workers": 0, "prefetch_factor": 4}, "prefetch_factor option could only be specified in multiprocessing"),
+    ({"num_workers": 0, "persistent_workers": True}, "persistent_workers option needs num_workers > 0"),
+])
+def test_invalid_settings_fail_with_a_clear_message(settings, expected):
+    msg = fails(lambda batch_size, load_ms, step_ms, cpus: {"batch_size": batch_size, **settings})
+    assert expected in msg
+
+
+def test_a_missing_or_wrong_batch_size_fails():
+    assert "no batch_size" in fails(lambda batch_size, load_ms, step_ms, cpus: {"num_workers": 2})
+    msg = fails(lambda batch_size, load_ms, step_ms, cpus: {"batch_size": batch_size + 1, "num_workers": 2})
+    assert "the model's batch size is fixed" in msg
+
+
+def test_a_hard_coded_dict_fails_because_the_batch_size_is_drawn_fresh():
+    for seed in range(3):
+        assert "batch_size=" in fails(lambda batch_size, load_ms, step_ms, cpus: {"batch_size": 32, "num_workers": 2},
+                                      seed=seed)
+
+
+def test_answers_that_are_not_settings_fail():
+    assert "expected a dict of DataLoader keyword arguments" in fails(lambda batch_size, load_ms, step_ms, cpus: 2)
+    assert "expected a dict" in fails(lambda batch_size, load_ms, step_ms, cpus: [("num_workers", 2)])
+    loader = DataLoader(TensorDataset(), batch_size=4)
+    assert "DataLoader object" in fails(lambda batch_size, load_ms, step_ms, cpus: loader)
+
+
+def test_the_cases_are_plain_numbers_measured_here():
+    cases = ch07.LoaderSettings().cases(random.Random(0))
+    assert len(cases) == 2 and cases[0]["batch_size"] < cases[1]["batch_size"]
+    for case in cases:
+        assert set(case) == {"batch_size", "load_ms", "step_ms", "cpus"}
+        assert 0 < case["step_ms"] < case["load_ms"] or case["cpus"] == 1
+
+
+def test_the_graders_own_settings_are_valid():
+    case = {"batch_size": 32, "load_ms": 30.0, "step_ms": 21.0, "cpus": 2}
+    assert ch07.validate(ch07.reference_settings(case), case) == {"batch_size": 32, "num_workers": 2}
+    with pytest.raises(CheckFailure, match="returned 'fast'"):
+        ch07.validate("fast", case)
+
+
+@pytest.mark.parametrize("measured, workers, passed", [
+    ([0.05], 2, True),               # hidden on the first measurement
+    ([0.40, 0.05, 0.10], 2, True),   # then: the grader's settings, and a second chance that succeeds
+    ([0.40, 0.05, 0.40], 1, False),  # the machine could hide it with the grader's settings: fail
+    ([0.40, 0.30, 0.35], 2, True),   # a busy machine: as good as the grader's settings, within tolerance
+    ([0.60, 0.30, 0.60], 2, False),  # busy, but much worse than the grader's settings
+    ([0.45, 0.40, 0.45], 0, False),  # busy, and loading in the training process: never passes
+])
+def test_the_verdict_rules_with_scripted_measurements(monkeypatch, measured, workers, passed):
+    """Measurements in call order: the learner's settings, then the grader's, then the learner's again."""
+    case = {"batch_size": 32, "load_ms": 30.0, "step_ms": 21.0, "cpus": 2}
+    left = list(measured)
+    monkeypatch.setattr(ch07, "wait_fraction", lambda settings, step_ms: left.pop(0))
+    monkeypatch.setattr(ch07, "measure_in_fresh_process", ch07.measurements)  # same rules, this process
+    check = ch07.LoaderSettings()
+    if passed:
+        check._measure(case, {"batch_size": 32, "num_workers": workers})
+    else:
+        with pytest.raises(CheckFailure, match="waited for data"):
+            check._measure(case, {"batch_size": 32, "num_workers": workers})
+    assert left == []
+
+
+def test_the_check_has_points_and_a_hint():
+    (c,) = checks_for("07")
+    assert c.points >= 2 and "load_ms / step_ms" in c.hint
+
+
+def test_the_loader_is_measured_in_a_fresh_process_not_in_the_threaded_grader():
+    """The DataLoader forks; the grader's judges run in threads. The measurement happens in a child
+    Python whose answer comes back as numbers, and a loader that cannot start is a failure, not a crash."""
+    case = {"batch_size": 32, "load_ms": 30.0, "step_ms": 1.0, "cpus": 2}
+    mine, theirs = ch07.measure_in_fresh_process(case, {"batch_size": 32, "num_workers": 0})
+    assert 0.0 <= mine <= 1.0 and (theirs is None or 0.0 <= theirs <= 1.0)
+    with pytest.raises(CheckFailure, match="failed"):
+        ch07.measure_in_fresh_process(case, {"batch_size": 32, "num_workers": 0, "prefetch_factor": 2})

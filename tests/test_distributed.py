@@ -1,0 +1,234 @@
+"""course_lib.chapters.distributed and ddp_worker: real 2-process torchrun runs on gloo, and the helpers.
+
+Three real launches (each starts torchrun and two ranks, 10-30 s on a 2-core machine): a run that
+works and whose outputs check out, a rank that raises (named, nothing left behind), a rank that
+hangs (stopped by the timeout, nothing left behind). The rest is fast: the command lines, the
+one-process reference and the sampler orders it relies on, the formatting.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DistributedSampler
+
+from course_lib.chapters import distributed as D
+from course_lib.chapters.distributed import (
+    DDPRun,
+    DDPRunError,
+    DDPTimeout,
+    format_timing_reference,
+    launch,
+    reference_train,
+    rel_diff,
+    torchrun_command,
+    training_state_bytes,
+)
+from course_lib.data import load_dataset
+from course_lib.models import MLP
+
+# --------------------------------------------------------------------------- real runs
+
+
+@pytest.fixture(scope="module")
+def good_run(tmp_path_factory) -> DDPRun:
+    out = tmp_path_factory.mktemp("ddp")
+    return launch(["--backend", "gloo", "--fsdp"], out=out, timeout=240)
+
+
+def test_a_two_process_run_leaves_identical_parameters_and_nothing_running(good_run):
+    p0, p1 = good_run.load("params_rank0.pt"), good_run.load("params_rank1.pt")
+    assert all(torch.equal(p0[k], p1[k]) for k in p0)
+    s = good_run.summary
+    assert s["world_size"] == 2 and s["backend"] == "gloo" and s["precision"] == "bf16" and not s["scaler"]
+    assert s["checksums_before"][0] != s["checksums_before"][1]  # different seeds on purpose ...
+    assert s["checksums_after"][0] == s["checksums_after"][1] == s["checksums_before"][0]  # ... rank 0's broadcast
+    assert good_run.leftovers() == [] and good_run.port_free()
+    assert sorted(good_run.logs) == [0, 1]
+    assert all(len(line) <= 100 for log in good_run.logs.values() for line in log["stdout"].splitlines())
+
+
+def test_ddp_gradient_is_the_large_batch_gradient(good_run):
+    cfg = good_run.summary["config"]
+    g0, g1 = good_run.load("grads_rank0.pt"), good_run.load("grads_rank1.pt")
+    assert all(torch.equal(g0[k], g1[k]) for k in g0)
+    seen = [json.loads((good_run.out / f"indices_rank{r}.json").read_text()) for r in range(2)]
+    first = seen[0][0][:cfg["batch"]] + seen[1][0][:cfg["batch"]]
+    x, y = load_dataset(train_size=cfg["train_size"], verbose=False).train.tensors
+    model = MLP(hidden=cfg["hidden"], depth=1)
+    model.load_state_dict(good_run.load("init.pt"))
+    F.cross_entropy(model(x[first]), y[first]).backward()
+    assert rel_diff(g0, {n: p.grad for n, p in model.named_parameters()}) < 1e-5
+
+
+def test_the_samplers_split_every_epoch_and_reshuffle(good_run):
+    seen = [json.loads((good_run.out / f"indices_rank{r}.json").read_text()) for r in range(2)]
+    n = good_run.summary["config"]["train_size"]
+    for epoch in range(2):
+        assert not set(seen[0][epoch]) & set(seen[1][epoch])
+        assert sorted(seen[0][epoch] + seen[1][epoch]) == list(range(n))
+    assert seen[0][0] != seen[0][1]
+
+
+def test_no_sync_means_one_allreduce_per_optimizer_step_and_rank0_alone_logs_and_checkpoints(good_run):
+    s = good_run.summary
+    assert s["steps"] == 32 and s["allreduce_calls"] == s["steps"]  # accum 2: the first backward is under no_sync
+    assert "] step  32/32" in good_run.logs[0]["stdout"] and "] step " not in good_run.logs[1]["stdout"]
+    ckpt = torch.load(good_run.out / "checkpoint.pt", map_location="cpu", weights_only=False)
+    assert ckpt["step_count"] == 32 and next(iter(ckpt["model"])).startswith("module.")
+    assert not list(good_run.out.glob("*.tmp"))
+
+
+def test_fsdp2_shards_every_parameter_and_matches_ddp(good_run):
+    fsdp = good_run.summary["fsdp"]
+    for r in fsdp.values():
+        assert 2 * r["held"] == r["total"]
+        assert all(local[0] * 2 == full[0] for local, full in r["shapes"].values())
+    assert fsdp["fp32"]["rel_diff_vs_ddp"] < 1e-5 and fsdp["fp32"]["grad_dtype"] == "float32"
+    assert fsdp["bf16"]["logits_dtype"] == "bfloat16" and fsdp["bf16"]["rel_diff_vs_ddp"] < 0.05
+
+
+def test_a_rank_that_raises_is_named_and_nothing_is_left(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(DDPRunError) as info:
+        launch(["--backend", "gloo", "--fail-rank", "1", "--fail-at", "3"], out=tmp_path, timeout=240)
+    assert not isinstance(info.value, DDPTimeout) and time.monotonic() - t0 < 240
+    message = str(info.value)
+    assert message.startswith("rank 1 failed first: RuntimeError: injected failure on rank 1"), message
+    run = info.value.run
+    assert run.leftovers() == [] and run.port_free()
+    assert not D._pids_with_token("no-such-token")
+
+
+def test_a_hung_rank_is_stopped_by_the_timeout_and_nothing_is_left(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(DDPTimeout) as info:
+        launch(["--backend", "gloo", "--hang-rank", "1", "--fail-at", "2", "--pg-timeout", "600"], out=tmp_path,
+               timeout=35)
+    assert time.monotonic() - t0 < 35 + 40  # the timeout, then at most the grace periods of stopping
+    assert "no result after 35 s" in str(info.value) and "rank 1" in str(info.value)
+    run = info.value.run
+    assert run.returncode is None and run.leftovers() == []
+    if run.port() is not None:  # rank 0 got far enough to print it
+        assert run.port_free()
+
+
+# --------------------------------------------------------------------------- command lines and environment
+
+def test_torchrun_command_for_one_machine_and_for_many():
+    one = torchrun_command(2, log_dir="/tmp/x")
+    assert one[1:3] == ["-m", "torch.distributed.run"] and "--standalone" in one
+    assert one[-4:] == ["--log-dir", "/tmp/x", "--redirects", "3"]
+    many = torchrun_command("gpu", nnodes=2, rdzv_endpoint="node0:29400", rdzv_id="job")
+    assert "--standalone" not in many
+    assert many[3:] == ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400", "--rdzv-id",
+                        "job", "--nproc-per-node", "gpu"]
+    with pytest.raises(ValueError, match="rdzv_id"):
+        torchrun_command(8, nnodes=2, rdzv_endpoint="node0:29400")
+
+
+def test_the_environment_shares_the_cores_and_marks_every_process(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    env = D._environment(2, "tok")
+    assert env[D.TOKEN_VAR] == "tok" and int(env["OMP_NUM_THREADS"]) >= 1
+
+
+def test_the_first_failure_comes_from_torchruns_summary_when_no_rank_recorded_one(tmp_path):
+    run = DDPRun(["torchrun"], tmp_path, returncode=1, launcher_log=(
+        "[1]:\n  time      : 2026\n  host      : h\n  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 5)\n"))
+    assert D._first_failure(run) == "rank 1 exited with code -9 (signal 9)"
+    (tmp_path / "failed_rank0.json").write_text(json.dumps({"rank": 0, "time": 2.0, "error": "B: later"}))
+    (tmp_path / "failed_rank3.json").write_text(json.dumps({"rank": 3, "time": 1.0, "error": "A:\n  first"}))
+    assert D._first_failure(run) == "rank 3 failed first: A: first (then rank 0, because it left)"
+
+
+def test_show_prints_every_rank_with_lines_cut_at_100_characters(tmp_path, capsys):
+    run = DDPRun(["python", "-m", "torch.distributed.run"], tmp_path,
+                 logs={0: {"stdout": "a" * 150 + "\nok", "stderr": ""}, 1: {"stdout": "x\n" * 50, "stderr": "err"}})
+    run.show(max_lines=10)
+    out = capsys.readouterr().out.splitlines()
+    assert all(len(line) <= 100 for line in out)
+    assert "--- rank 1 stdout (50 lines) ---" in out and "[...]" in out and "--- rank 1 stderr (1 lines) ---" in out
+
+
+# --------------------------------------------------------------------------- the one-process reference
+
+def test_sampler_orders_are_distributed_samplers_orders():
+    orders = D.sampler_orders(10, 4, 2, seed=3)
+    for rank in range(4):
+        s = DistributedSampler(range(10), num_replicas=4, rank=rank, shuffle=True, seed=3)
+        assert orders[rank][0] == list(s)
+        s.set_epoch(1)
+        assert orders[rank][1] == list(s)
+    repeated = D.sampler_orders(10, 4, 2, seed=3, set_epoch=False)
+    assert all(r[0] == r[1] for r in repeated)
+
+
+def test_global_batches_take_each_ranks_micro_batches_in_step_order():
+    steps = D._global_batches(16, 2, batch_size=2, epochs=1, seed=0, set_epoch=True, accum_steps=2)
+    orders = D.sampler_orders(16, 2, 1, seed=0)
+    assert len(steps) == 2 and steps[0] == orders[0][0][:4] + orders[1][0][:4]
+    assert sorted(i for s in steps for i in s) == list(range(16))
+
+
+def _emulated_ddp(model, x, y, world, batch, epochs, lr, seed):
+    """What DDP computes: each rank's mean loss on its micro-batch, gradients averaged, SGD with momentum."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    orders = D.sampler_orders(len(x), world, epochs, seed)
+    for epoch in range(epochs):
+        for start in range(0, len(orders[0][epoch]), batch):
+            grads = []
+            for rank in range(world):
+                idx = orders[rank][epoch][start:start + batch]
+                model.zero_grad()
+                F.cross_entropy(model(x[idx]), y[idx]).backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+            for p, *g in zip(model.parameters(), *grads):
+                p.grad = sum(g) / world
+            opt.step()
+    return model
+
+
+def test_reference_train_is_what_ddp_computes_in_fp32():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 3))
+    x, y = torch.randn(44, 6), torch.randint(0, 3, (44,))  # 22 per rank: a last, smaller batch of 4
+    ref, losses = reference_train(model, x, y, world_size=2, batch_size=6, epochs=2, lr=0.1, seed=5)
+    emulated = _emulated_ddp(model, x, y, 2, 6, 2, 0.1, 5)
+    start = dict(model.named_parameters())
+    assert len(losses) == 8
+    assert rel_diff(dict(ref.named_parameters()), dict(emulated.named_parameters()), start=start) < 1e-5
+    wrong, _ = reference_train(model, x, y, world_size=2, batch_size=6, epochs=2, lr=0.1, seed=5, set_epoch=False)
+    assert rel_diff(dict(wrong.named_parameters()), dict(emulated.named_parameters()), start=start) > 1e-2
+
+
+def test_rel_diff_against_size_or_against_movement():
+    a, b, s = {"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([1.0, 4.0])}, {"w": torch.tensor([1.0, 3.0])}
+    assert rel_diff(a, b) == pytest.approx(0.5) and rel_diff(a, b, start=s) == pytest.approx(2.0)
+    assert rel_diff(b, b) == 0.0
+
+
+def test_adamw_keeps_sixteen_bytes_per_fp32_parameter():
+    model = nn.Linear(10, 10)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 10)).sum().backward()
+    opt.step()
+    state = training_state_bytes(model, opt)
+    assert sum(state.values()) / 110 == 16 and state["optimizer state"] == 8 * 110
+
+
+def test_the_gpu_reference_is_readable_with_one_gpu_and_with_several():
+    run = {"world_size": 1, "backend": "nccl", "precision": "fp16", "scaler": True, "losses": [2.0, 1.5],
+           "scales_by_rank": [[65536.0, 32768.0]], "steps": 2, "seconds": 1.0}
+    text = format_timing_reference({"nccl_runs": [run], "dp_vs_ddp": []})
+    assert "GradScaler on, final scale 32768 (same on all ranks: True)" in text and "not measured" in text
+    rows = [{"mode": m, "gpus": g, "median_ms": t, "q1_ms": t - 1, "q3_ms": t + 1, "images_per_s": 1e3}
+            for m, g, t in (("1 GPU", 1, 10.0), ("DataParallel", 2, 14.0), ("DDP", 2, 11.0))]
+    text = format_timing_reference({"nccl_runs": [], "dp_vs_ddp": rows})
+    assert "DataParallel" in text and all(len(line) <= 100 for line in text.splitlines())

@@ -1,0 +1,199 @@
+"""course_lib.chapters.loading: the pipeline, the wait measurement, seeding, the on-device loader, the CLI."""
+from __future__ import annotations
+
+import json
+import time
+
+import matplotlib
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from course_lib.chapters import loading as L
+from course_lib.data import DATA_DIR, load_dataset
+
+matplotlib.use("Agg")
+
+
+@pytest.fixture(scope="module")
+def raw():
+    return L.raw_images(load_dataset(train_size=400, verbose=False))
+
+
+def test_raw_images_gives_back_the_stored_bytes_exactly():
+    images, labels = L.raw_images(load_dataset(verbose=False))
+    with np.load(DATA_DIR / "fashion_mnist_20k.npz") as z:
+        stored, stored_labels = z["x_train"], z["y_train"]
+    assert images.dtype == torch.uint8 and images.shape == (10_000, 1, 28, 28)
+    assert torch.equal(images[:, 0], torch.from_numpy(stored))
+    assert torch.equal(labels, torch.from_numpy(stored_labels).long())
+
+
+def test_augmentation_makes_normalised_float_images_that_differ_between_calls(raw):
+    images, labels = raw
+    ds = L.AugmentedImages(images, labels)
+    assert len(ds) == len(images)
+    a, y = ds[3]
+    b, _ = ds[3]
+    assert a.shape == (1, 28, 28) and a.dtype == torch.float32 and int(y) == int(labels[3])
+    assert not torch.equal(a, b)  # random: two draws of one image differ
+    assert -1.5 < a.min() and a.max() < 3.0  # (x/255 - 0.286) / 0.353 lies in about [-0.81, 2.02]
+
+
+class _TimedLoader:
+    """An iterable of `n` batches, each taking `ms` to make: a loader without workers."""
+
+    def __init__(self, n: int, ms: float, batch: int = 4):
+        self.n, self.ms, self.batch_size = n, ms, batch
+
+    def __iter__(self):
+        for _ in range(self.n):
+            time.sleep(self.ms / 1000)
+            yield torch.zeros(self.batch_size), torch.zeros(self.batch_size)
+
+
+def test_measure_loader_times_the_wait_and_restarts_epochs():
+    run = L.measure_loader(_TimedLoader(3, ms=20), L.simulated_step(20), steps=7, warmup=1, label="x")
+    assert len(run.wait_ms) == len(run.step_ms) == 7
+    assert 0.35 < run.wait_fraction < 0.7  # loading and compute take turns: about a half
+    assert all(w >= 15 for w in run.wait_ms) and all(s >= 35 for s in run.step_ms)
+    assert 4 * 7 * 1000 / sum(run.step_ms) == pytest.approx(run.images_per_s)
+    assert "x:" in str(run) and "waiting for data" in str(run)
+
+
+def test_measure_loader_warms_up_one_step_per_worker_by_default(raw):
+    images, labels = raw
+    loader = DataLoader(TensorDataset(images[:64], labels[:64]), batch_size=4, num_workers=2)
+    calls = []
+    L.measure_loader(loader, calls.append, steps=3)
+    assert len(calls) == 2 + 2 + 3
+
+
+def test_loader_run_windows_and_table():
+    run = L.LoaderRun("a label", 10, wait_ms=[1, 1, 3, 3], step_ms=[10, 10, 10, 10], first_batch_ms=5)
+    rates, fractions = run.windows(2)
+    assert rates == [1000.0, 1000.0] and fractions == [0.1, 0.3]
+    assert run.wait_fraction == pytest.approx(0.2)
+    table = L.format_runs([run, run])
+    assert len(table.splitlines()) == 3 and all(len(line) <= 100 for line in table.splitlines())
+
+
+def test_workers_needed_and_cpus():
+    assert L.workers_needed(100, 100) == 2  # 1.25 rounded up: headroom over exactly one
+    assert L.workers_needed(100, 200) == 1
+    assert L.workers_needed(300, 100) == 4
+    assert L.cpus() >= 1
+
+
+def test_sweep_plot_has_both_panels_and_a_legend_in_each(raw):
+    images, labels = raw
+    ds = TensorDataset(images[:128], labels[:128])
+    runs = L.sweep(lambda w: DataLoader(ds, batch_size=8, num_workers=w), [0, 1], L.simulated_step(1), steps=4)
+    assert [r.label for r in runs] == ["0", "1"]
+    fig = L.plot_sweep({"s": runs}, [0, 1], "num_workers", demand={"s": 500.0}, supply=300.0, cores=2)
+    ax1, ax2 = fig.axes
+    assert ax1.get_legend() is not None and ax2.get_legend() is not None
+    assert "images/s" in ax1.get_ylabel() and "%" in ax2.get_ylabel()
+
+
+def test_slow_storage_waits_and_hiccups(raw):
+    images, labels = raw
+    store = L.SlowStorage(TensorDataset(images, labels), ms=2, slow_every=3, slow_factor=10)
+    t0 = time.perf_counter()
+    store[1]
+    fast = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    x, y = store[3]
+    slow = time.perf_counter() - t0
+    assert fast >= 0.002 and slow >= 0.02 and torch.equal(x, images[3])
+
+
+def test_a_dataset_that_swallows_loader_arguments_leaves_the_loader_at_its_defaults(raw):
+    images, labels = raw
+    ds = L.ArgsSwallowingDataset(images, labels, num_workers=16, pin_memory=True, persistent_workers=True)
+    loader = DataLoader(ds, batch_size=8)
+    assert (loader.num_workers, loader.pin_memory, loader.persistent_workers) == (0, False, False)
+
+
+def test_workers_copy_a_numpy_generator_and_reseed_numpy_fixes_it():
+    def batches(init):
+        loader = DataLoader(L.NumpyRngDataset(8), batch_size=4, num_workers=2, worker_init_fn=init,
+                            generator=torch.Generator().manual_seed(0))
+        return [b.tolist() for b in loader]
+
+    same = batches(None)
+    assert same[0] == same[1]  # both workers drew the same numbers
+    fixed = batches(L.reseed_numpy)
+    assert fixed[0] != fixed[1]
+    assert fixed == batches(L.reseed_numpy)  # and the loader's generator makes them repeat
+
+
+def _matches_a_shifted_flipped_crop(out: torch.Tensor, img: torch.Tensor, pad: int) -> float:
+    """Best correlation between `out` and any shift/flip of `img` (brightness and contrast aside)."""
+    padded = torch.nn.functional.pad(img.float(), (pad,) * 4)
+    h, w = img.shape[-2:]
+    best = -1.0
+    for dy in range(2 * pad + 1):
+        for dx in range(2 * pad + 1):
+            crop = padded[..., dy:dy + h, dx:dx + w]
+            for cand in (crop, crop.flip(-1)):
+                best = max(best, float(torch.corrcoef(torch.stack([cand.flatten(), out.flatten()]))[0, 1]))
+    return best
+
+
+def test_augment_batch_shifts_and_flips_each_image_on_its_own(raw):
+    images, _ = raw
+    x = images[:16]
+    g = torch.Generator().manual_seed(0)
+    out = L.augment_batch(x, g, pad=2)
+    assert out.shape == x.shape and out.dtype == torch.float32
+    assert all(_matches_a_shifted_flipped_crop(o, i, 2) > 0.98 for o, i in zip(out, x))
+    again = L.augment_batch(x, torch.Generator().manual_seed(0), pad=2)
+    assert torch.equal(out, again)
+    assert not torch.equal(out, L.augment_batch(x, torch.Generator().manual_seed(1), pad=2))
+
+
+def test_device_loader_covers_the_data_once_per_epoch_in_a_seeded_order(raw):
+    images, labels = raw
+    loader = L.DeviceLoader(images[:100], labels[:100], batch_size=32, seed=3)
+    batches = list(loader)
+    assert len(loader) == len(batches) == 3 and all(len(x) == 32 for x, _ in batches)
+    seen = torch.cat([y for _, y in batches])
+    assert len(seen) == 96 and set(seen.tolist()) <= set(labels[:100].tolist())
+    plain = L.DeviceLoader(images[:100], labels[:100], batch_size=100, augment=False, seed=0)
+    x, y = next(iter(plain))
+    order = torch.randperm(100, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(x, images[:100][order].float()) and torch.equal(y, labels[:100][order])
+    first = [y for _, y in L.DeviceLoader(images[:100], labels[:100], batch_size=32, seed=3)]
+    assert all(torch.equal(a, b) for a, b in zip(first, [y for _, y in batches]))
+
+
+def test_format_reference_shows_copies_and_the_sweep():
+    run = L.LoaderRun("num_workers=2", 64, [0.1, 0.2], [10.0, 11.0], 50.0)
+    copies = [{"copy": name, "mib": 64, "copy_ms": 3.0, "copy_lo": 2.9, "copy_hi": 3.1, "gb_per_s": 22.4,
+               "busy_ms": 20.0, "host_ms": h, "both_ms": 21.0} for name, h in (("pageable .to()", 23.0),
+                                                                             ("pinned, non_blocking", 0.02))]
+    text = L.format_reference({"copies": copies, "sweep": {"cpus": 16, "per_core": 900.0, "demand": 5400.0,
+                                                           "batch_size": 64, "runs": [run.__dict__]}})
+    assert "pinned, non_blocking" in text and "16 cores" in text and "num_workers=2" in text
+    assert all(len(line) <= 100 for line in text.splitlines())
+
+
+def test_cli_records_the_sweep_with_provenance_on_a_cpu(tmp_path, capsys):
+    out = tmp_path / "loading_cpu.json"
+    assert L.main(["--device", "cpu", "--workers", "0", "1", "--steps", "3", "--json", str(out)]) == 0
+    ref = json.loads(out.read_text())
+    assert ref["copies"] == [] and ref["provenance"]["command"].startswith("python -m course_lib.chapters.loading")
+    assert [r["label"] for r in ref["sweep"]["runs"]] == ["num_workers=0", "num_workers=1"]
+    assert "loader sweep" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times host-to-device copies: needs a CUDA GPU")
+def test_copy_timings_on_a_gpu():
+    rows = L.copy_timings("cuda", mib=16, busy_ms=5, iters=3)
+    assert [r["copy"] for r in rows] == ["pageable .to()", "pinned, non_blocking", "pin_memory() each time"]
+    assert all(r["copy_ms"] > 0 and r["gb_per_s"] > 0 for r in rows)
+    pageable, pinned = rows[0], rows[1]
+    assert pinned["host_ms"] < pageable["host_ms"]  # the pinned copy does not hold the Python thread
+    print(L.format_copy_rows(rows))

@@ -1,0 +1,209 @@
+"""Chapter 06's library: the profiler wrapper, the trace reader, the diagnosis, the pictures, the CLI."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import time
+
+import matplotlib
+import pytest
+import torch
+
+from course_lib.chapters import profiling as P
+from course_lib.chapters import traces as T
+from course_lib.models import MLP
+from course_lib.train import TrainConfig, Trainer
+
+matplotlib.use("Agg")
+
+
+def tiny_trainer(**opt) -> tuple[Trainer, list]:
+    torch.manual_seed(0)
+    model = MLP(in_features=16, hidden=8, depth=2)
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), **opt),
+                      TrainConfig(precision="fp32", device="cpu", progress=False))
+    return trainer, [(torch.randn(4, 16), torch.randint(0, 10, (4,)))]
+
+
+@pytest.fixture(scope="module")
+def cpu_trace(tmp_path_factory):
+    trainer, batch = tiny_trainer()
+    run = P.profile_steps(lambda: trainer.train_step(batch), wait=1, warmup=1, active=3,
+                          trace_dir=tmp_path_factory.mktemp("traces"), record_shapes=True, profile_memory=True)
+    return run, T.load_trace(run.traces[-1])
+
+
+def test_the_schedule_is_the_installed_torchs():
+    text = P.format_schedule(12, wait=2, warmup=1, active=3)
+    assert text.splitlines()[1] == "  did   -  -  w  r  r  S  -  -  w  r  r  S"
+    assert "(2 traces written" in text
+    assert "(1 traces written" in P.format_schedule(12, wait=2, warmup=1, active=3, repeat=1)
+
+
+@pytest.mark.filterwarnings("ignore:Warning. Profiler clears events")
+def test_profile_steps_runs_each_cycle_and_writes_one_chrome_trace_per_cycle(tmp_path):
+    trainer, batch = tiny_trainer()
+    run = P.profile_steps(lambda: trainer.train_step(batch), wait=1, warmup=1, active=2, repeat=2, trace_dir=tmp_path)
+    assert len(run.step_ms) == 8 and all(t > 0 for t in run.step_ms)
+    assert [os.path.basename(t) for t in run.traces] == ["step_4.pt.trace.json", "step_8.pt.trace.json"]
+    assert all(json.loads(open(t).read())["traceEvents"] for t in run.traces)
+    rows = {r["name"]: r for r in P.key_average_rows(run)}
+    assert rows["Optimizer.step#AdamW.step"]["calls"] == pytest.approx(1.0)  # per profiled step
+    table = P.format_key_averages(list(rows.values()), limit=8)
+    assert all(len(line) <= 100 for line in table.splitlines()) and "self CPU" in table
+
+
+def test_the_profilers_banners_are_dropped_and_other_stderr_is_kept(capfd):
+    with P._quiet_profiler():
+        os.write(2, b"USDT:2026 SyncActivityProfilerHandler.cpp:39] profiler_start\n"
+                    b"ERROR:2026 DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35\n"
+                    b"something a learner must see\n")
+    err = capfd.readouterr().err
+    assert "something a learner must see" in err and "USDT" not in err and "gpuGetDeviceCount" not in err
+
+
+def test_trace_summary_of_a_cpu_training_step(cpu_trace):
+    run, trace = cpu_trace
+    s = T.trace_summary(trace)
+    assert s["device"] == "cpu" and s["steps"] == 3 and s["step_ms"] > 0
+    names = {r["name"] for r in s["ops"]}
+    assert "Optimizer.step#AdamW.step" in names and any(n.startswith("autograd::engine") for n in names)
+    assert "aten::linear" in names
+    linear = next(r for r in s["ops"] if r["name"] == "aten::linear")
+    assert linear["calls"] == 3 and linear["kernels"] >= 3 and "float" in linear["input_types"]
+    assert all(r["device_ms"] <= r["cpu_ms"] + 1e-6 for r in s["ops"])  # on a CPU, kernels run inside their op
+    assert 0 < T.matmul_share(s) < 1
+    assert T.diagnose(s)[0] in ("overhead", "compute")
+    assert all(len(line) <= 100 for line in T.format_summary({"tiny": s}).splitlines())
+
+
+def test_phases_and_the_timeline_picture(cpu_trace):
+    _, trace = cpu_trace
+    p = T._parse(trace)
+    phases = [e["_phase"] for e in p["tops"] if e["_step"] == 0]
+    assert phases[0] == "forward" and "backward" in phases and "optimizer" in phases
+    assert phases.index("optimizer") > phases.index("backward")
+    fig = T.plot_timeline(trace, "tiny")
+    timeline, memory = fig.axes
+    assert [t.get_text() for t in timeline.get_legend().get_texts()] == ["forward", "backward", "optimizer"]
+    assert memory.get_ylabel() == "MiB" and "ms" in memory.get_xlabel()
+    matplotlib.pyplot.close(fig)
+
+
+def test_load_trace_reads_gzip(tmp_path, cpu_trace):
+    run, trace = cpu_trace
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(trace, f)
+    assert T.load_trace(path) == trace
+    with pytest.raises(ValueError, match="ProfilerStep"):
+        T.trace_summary({"traceEvents": []})
+
+
+def gpu_trace(data_us: float = 0, kernel_us: float = 800, dtype: str = "c10::BFloat16") -> dict:
+    """The events a CUDA profile has: steps on the CPU (and their GPU shadow), an op that launches a
+    kernel through cudaLaunchKernel, the kernel on the GPU, linked by a correlation id."""
+    ev = []
+    for i in range(3):
+        t = 1000.0 * i
+        ev += [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i + 2}", "ts": t, "dur": 1000, "tid": 1},
+               {"ph": "X", "cat": "gpu_user_annotation", "name": f"ProfilerStep#{i + 2}", "ts": t + 50, "dur": 990,
+                "tid": 7},
+               {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": t + 10 + data_us, "dur": 30, "tid": 1,
+                "args": {"Input type": [dtype, dtype]}},
+               {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t + 20 + data_us, "dur": 5,
+                "tid": 1, "args": {"correlation": 100 + i}},
+               {"ph": "X", "cat": "kernel", "name": "sm90_gemm", "ts": t + 100 + data_us, "dur": kernel_us, "tid": 7,
+                "args": {"correlation": 100 + i}}]
+        if data_us:
+            ev.append({"ph": "X", "cat": "user_annotation", "name": "enumerate(DataLoader)#_SingleProcessDataLoaderIter"
+                       ".__next__", "ts": t + 1, "dur": data_us, "tid": 1})
+    return {"traceEvents": ev}
+
+
+def test_a_gpu_trace_links_kernels_to_the_ops_that_launched_them():
+    s = T.trace_summary(gpu_trace())
+    assert s["device"] == "cuda" and s["steps"] == 3 and s["step_ms"] == pytest.approx(1.0)
+    (mm,) = s["ops"]
+    assert mm["name"] == "aten::mm" and mm["device_ms"] == pytest.approx(0.8) and mm["kernels"] == 1
+    assert mm["input_types"] == ["c10::BFloat16", "c10::BFloat16"]
+    assert T.diagnose(s) == ("compute", "fewer_flops")
+    assert T.diagnose(T.trace_summary(gpu_trace(dtype="float"))) == ("compute", "amp")
+    assert T.diagnose(T.trace_summary(gpu_trace(kernel_us=100))) == ("overhead", "fewer_launches")
+    assert T.diagnose(T.trace_summary(gpu_trace(data_us=500, kernel_us=100))) == ("data", "more_workers")
+    fig = T.plot_timeline(gpu_trace())
+    assert "GPU: kernels" in [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    matplotlib.pyplot.close(fig)
+
+
+def test_the_cpu_rule_for_overhead_is_the_length_of_the_ops_doing_the_work():
+    def summary(kernel_us: float, kernels: int) -> dict:
+        return {"device": "cpu", "step_ms": 10.0, "ops": [{"name": "aten::linear", "calls": 1, "cpu_ms": 9.0,
+                                                           "device_ms": kernel_us * kernels / 1e3, "kernels": kernels,
+                                                           "input_types": ["float"]}]}
+    assert T.diagnose(summary(5, 1000)) == ("overhead", "fewer_launches")
+    assert T.diagnose(summary(2000, 4)) == ("compute", "amp")
+
+
+def test_the_contrived_bottlenecks_are_what_they_say(tmp_path):
+    steps = P.bottleneck_steps("cpu")
+    assert list(steps) == ["data", "overhead", "compute"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # on a 2-core machine shared with other jobs, two threads wait for each other
+    try:
+        run = P.profile_steps(steps["data"], wait=0, warmup=1, active=2, trace_dir=tmp_path, name="data")
+    finally:
+        torch.set_num_threads(threads)
+    assert T.diagnose(T.trace_summary(T.load_trace(run.traces[-1])))[0] == "data"  # 64 images x 1 ms of sleep
+
+
+def test_timing_three_ways_and_the_cost_of_a_read_back():
+    calls = []
+
+    def make_step():
+        calls.append("fresh")
+        return lambda: time.sleep(0.002)
+    ways = P.naive_vs_proper(make_step, "cpu", repeats=3, iters=4)
+    assert list(ways) == ["naive", "no sync", "proper"] and len(calls) == 3
+    assert len(ways["naive"].times_ms) == 3 and len(ways["proper"].times_ms) == 4
+    assert all(t.median_ms >= 2 for t in ways.values())
+    cost = P.sync_cost("cpu", steps=2, iters=2, width=4, batch=4)
+    assert list(cost) == ["read every step", "read every 2 steps"]
+    assert all(len(line) <= 100 for line in P.format_timings(cost).splitlines())
+
+
+def test_the_recording_cli_writes_summaries_that_format_reference_reads(tmp_path, monkeypatch):
+    small, time_fn, sync_cost, naive_vs_proper = P.make_trainer, P.time_fn, P.sync_cost, P.naive_vs_proper
+
+    def tiny_make_trainer(precision="fp32", device="auto", width=None, batch=None, log_every=10):
+        return small(precision, device, width=4, batch=8, log_every=log_every)
+    monkeypatch.setattr(P, "make_trainer", tiny_make_trainer)
+    for name, fast in (("time_fn", lambda fn, iters=10, **kw: time_fn(fn, **{**kw, "warmup": 1, "iters": 3})),
+                       ("sync_cost", lambda device, **kw: sync_cost(device, steps=2, iters=2, **kw)),
+                       ("naive_vs_proper", lambda make, device: naive_vs_proper(make, device, repeats=2, iters=3))):
+        monkeypatch.setattr(P, name, fast)  # the real sizes take minutes on a CPU
+    trainer, batch = tiny_trainer(foreach=False)
+    monkeypatch.setattr(P, "bottleneck_steps", lambda device: {"overhead": lambda: trainer.train_step(batch)})
+    out = tmp_path / "profiling_cpu.json"
+    assert P.main(["--device", "cpu", "--json", str(out)]) == 0
+    ref = json.loads(out.read_text())
+    assert ref["provenance"]["command"].startswith("python -m course_lib.chapters.profiling")
+    assert set(ref) >= {"steps", "bottlenecks", "timing", "sync"} and set(ref["steps"]) == {"fp32", "bf16"}
+    assert all(len(v["summary"]["ops"]) <= 9 for v in ref["steps"].values())  # 8 heaviest + the rest, summed
+    assert out.stat().st_size < 100_000  # summaries, not traces
+    ref["memory"] = {"fp32": dict.fromkeys(("start", "forward", "backward", "optimizer", "end"), 1.0)}
+    ref["snapshot"] = {"allocs": 3, "peak_mib": 2.0, "reserved_mib": 4.0,
+                       "largest": [{"mib": 1.0, "where": "profiling.py:1 step"}]}
+    for part in ("steps", "bottlenecks", "sync", "timing", "memory"):
+        text = P.format_reference(ref, part)
+        assert text and all(len(line) <= 100 for line in text.splitlines()), part
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_memory_per_phase_and_snapshot(tmp_path):
+    trainer, batch = P.make_trainer("auto", "cuda", batch=64)
+    phases = P.cuda_phase_memory(trainer, batch)
+    assert phases["start"] > 0 and phases["backward"] >= phases["start"]
+    summary = P.memory_snapshot_summary(lambda: trainer.train_step(batch), tmp_path / "s.pickle")
+    assert summary["allocs"] > 0 and summary["largest"] and (tmp_path / "s.pickle").exists()
