@@ -1,11 +1,14 @@
 """Models used across the course: small enough for a CPU, real enough for a GPU.
 
-Chapter 00 introduces SimpleCNN and MLP; the ResNets appear in chapters 06 and 09.
+Chapter 00 introduces SimpleCNN and MLP; the ResNets and the small GPT appear in chapter 09.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 __all__ = ["SimpleCNN", "MLP"]
 
@@ -81,6 +84,85 @@ def small_resnet(in_channels: int = 3, num_classes: int = 10) -> nn.Module:
 def resnet50(num_classes: int = 1000) -> nn.Module:
     """Torchvision's ResNet-50, the model of NVIDIA's published AMP figures (224 px)."""
     return _torchvision_models().resnet50(num_classes=num_classes)
+
+
+# ----------------------------------------------------------------------------- a small GPT
+
+@dataclass
+class GPTConfig:
+    """The shape of a GPT. The defaults are GPT-2 small (124M parameters)."""
+    vocab_size: int = 50304  # GPT-2's 50257 tokens padded to a multiple of 64: matmuls tile evenly
+    block_size: int = 1024   # the longest sequence
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    sdpa: bool = True        # F.scaled_dot_product_attention (fused kernels) or the explicit softmax(QK^T)V
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(c.n_embd, 3 * c.n_embd), nn.Linear(c.n_embd, c.n_embd)
+        self.n_head, self.sdpa = c.n_head, c.sdpa
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, e = x.shape
+        q, k, v = (z.view(b, t, self.n_head, e // self.n_head).transpose(1, 2) for z in self.qkv(x).split(e, dim=2))
+        if self.sdpa:  # one fused kernel (flash / memory-efficient attention where the GPU has them)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # the textbook way: a t x t score matrix per head, masked, softmaxed
+            scores = (q @ k.transpose(-2, -1)) / (k.size(-1) ** 0.5)
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            y = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, e))
+
+
+class _Block(nn.Module):
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(c.n_embd), _Attention(c), nn.LayerNorm(c.n_embd)
+        self.mlp = nn.Sequential(nn.Linear(c.n_embd, 4 * c.n_embd), nn.GELU(), nn.Linear(4 * c.n_embd, c.n_embd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Chapter 09: a decoder-only transformer in the shape of GPT-2, for measuring MFU.
+
+    Pre-LayerNorm blocks of causal self-attention and a 4x MLP; the output layer shares its
+    weight with the token embedding, as GPT-2 does. forward(idx, targets) returns (logits, loss).
+    """
+
+    def __init__(self, config: GPTConfig | None = None) -> None:
+        super().__init__()
+        c = self.config = config or GPTConfig()
+        self.wte, self.wpe = nn.Embedding(c.vocab_size, c.n_embd), nn.Embedding(c.block_size, c.n_embd)
+        self.blocks = nn.ModuleList(_Block(c) for _ in range(c.n_layer))
+        self.ln_f, self.lm_head = nn.LayerNorm(c.n_embd), nn.Linear(c.n_embd, c.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+        for m in self.modules():  # GPT-2's initialisation; N(0, 1) embeddings would make tied logits huge
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return logits, loss
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 per parameter (forward 2, backward 4) plus attention's
+        12 * layers * embedding * sequence (the PaLM paper's appendix B estimate)."""
+        c = self.config
+        n = sum(p.numel() for p in self.parameters()) - self.wpe.weight.numel()
+        return 6 * n + 12 * c.n_layer * c.n_embd * seq_len
 
 
 def build_model(name: str, **kwargs) -> nn.Module:

@@ -29,3 +29,24 @@ def test_small_resnet_keeps_resolution_for_small_images():
 def test_build_model_rejects_unknown_names():
     with pytest.raises(ValueError, match="simplecnn"):
         build_model("vgg")
+
+
+def test_gpt_sdpa_and_explicit_attention_agree_and_initial_loss_is_chance():
+    import math
+
+    from course_lib.models import GPT, GPTConfig
+    small = dict(vocab_size=128, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    explicit, fused = GPT(GPTConfig(**small, sdpa=False)), GPT(GPTConfig(**small))
+    fused.load_state_dict(explicit.state_dict())
+    idx = torch.randint(0, 128, (2, 16))
+    loss_a, loss_b = explicit(idx, idx)[1], fused(idx, idx)[1]
+    assert torch.allclose(loss_a, loss_b, atol=1e-5)
+    assert abs(loss_a.item() - math.log(128)) < 0.5  # GPT-2's init: no token is favoured yet
+    assert explicit.lm_head.weight is explicit.wte.weight  # tied, as in GPT-2
+
+
+def test_gpt2_small_has_124m_parameters_and_nanogpts_flop_count():
+    from course_lib.models import GPT
+    model = GPT()
+    assert round(sum(p.numel() for p in model.parameters()) / 1e6, 1) == 124.5
+    assert round(model.flops_per_token(1024) / 1e6) == 855  # 6N + 12 L E T

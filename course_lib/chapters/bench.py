@@ -98,6 +98,31 @@ def _rows_spec(dev: torch.device, model: str) -> list[tuple[str, str, bool, bool
     return rows
 
 
+def step_row(model: str, precision: str, device: torch.device, *, batch: int, steps: int, allow_tf32: bool = False,
+             channels_last: bool = False, shape: tuple[int, ...] | None = None) -> dict:
+    """Time one training step of the course's loop (Trainer.train_step) on a synthetic on-device
+    batch: median and quartiles of `steps` steps after warm-up, samples/s, peak memory (CUDA)."""
+    default_shape, kwargs, num_classes = WORKLOADS[model]
+    (x, y), = synthetic_batches(1, batch, shape=shape or default_shape, num_classes=num_classes, device=device,
+                                seed=0)
+    torch.manual_seed(0)
+    net = build_model(model, **kwargs)
+    cfg = TrainConfig(precision=precision, device=str(device), channels_last=channels_last, progress=False,
+                      log_every=10**9)
+    trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9), cfg)
+    step = functools.partial(trainer.train_step, [(x, y)])
+    with tf32(allow_tf32):
+        timing = time_fn(step, warmup=3, iters=steps, device=device)
+        peak = peak_memory_bytes(step, device)
+    q1, q3 = timing.quartiles_ms
+    # This row's model, gradients and optimizer state are freed when the function returns:
+    # max_memory_allocated counts everything still allocated, so a leftover would inflate the next row.
+    return {"precision": precision, "tf32": allow_tf32, "channels_last": channels_last, "model": model,
+            "batch": batch, "steps": steps, "ms_per_step": timing.median_ms, "ms_q1": q1, "ms_q3": q3,
+            "times_ms": timing.times_ms, "samples_per_s": batch / timing.median_ms * 1e3,
+            "peak_memory_gib": peak / 2**30 if peak is not None else None}
+
+
 def precision_table(model: str | None = None, batch: int | None = None, steps: int | None = None,
                     device: str = "auto") -> list[dict]:
     """Chapter 00: time one training step per row: strict FP32, TF32, AMP, AMP + channels_last.
@@ -117,31 +142,10 @@ def precision_table(model: str | None = None, batch: int | None = None, steps: i
     if model in GPU_ONLY and dev.type != "cuda":
         raise ValueError(f"{model} at 224 px is sized for a GPU (minutes per step and >4 GB on a CPU); "
                          "on a CPU use model='simplecnn', 'mlp' or 'small_resnet'")
-    shape, kwargs, num_classes = WORKLOADS[model]
-    (x, y), = synthetic_batches(1, batch, shape=shape, num_classes=num_classes, device=dev, seed=0)
-    rows = []
-    for label, precision, allow_tf32, channels_last, skipped in _rows_spec(dev, model):
-        if skipped:
-            rows.append({"mode": label, "note": skipped})
-            continue
-        torch.manual_seed(0)
-        net = build_model(model, **kwargs)
-        cfg = TrainConfig(precision=precision, device=str(dev), channels_last=channels_last, progress=False,
-                          log_every=10**9)
-        trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9), cfg)
-        step = functools.partial(trainer.train_step, [(x, y)])
-        with tf32(allow_tf32):
-            timing = time_fn(step, warmup=3, iters=steps, device=dev)
-            peak = peak_memory_bytes(step, dev)
-        q1, q3 = timing.quartiles_ms
-        rows.append({"mode": label, "precision": precision, "tf32": allow_tf32, "channels_last": channels_last,
-                     "model": model, "batch": batch, "steps": steps, "ms_per_step": timing.median_ms,
-                     "ms_q1": q1, "ms_q3": q3, "times_ms": timing.times_ms,
-                     "samples_per_s": batch / timing.median_ms * 1e3,
-                     "peak_memory_gib": peak / 2**30 if peak is not None else None})
-        # Free this row's model, gradients and optimizer state before the next row is measured:
-        # max_memory_allocated counts everything still allocated, so a leftover would inflate it.
-        del step, trainer, net
+    rows = [{"mode": label, "note": skipped} if skipped else
+            {"mode": label, **step_row(model, precision, dev, batch=batch, steps=steps, allow_tf32=allow_tf32,
+                                       channels_last=channels_last)}
+            for label, precision, allow_tf32, channels_last, skipped in _rows_spec(dev, model)]
     base = rows[0]["ms_per_step"]
     for r in rows:
         if "ms_per_step" in r:

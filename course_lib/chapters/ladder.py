@@ -1,0 +1,438 @@
+"""The optimisation ladder of chapter 09: one change per rung, each measured, in one run.
+
+    python -m course_lib.chapters.ladder course [--json data/reference/ladder_course_<gpu>.json]
+    python -m course_lib.chapters.ladder resnet50 [--json data/reference/ladder_resnet50_<gpu>.json]
+    python -m course_lib.chapters.ladder gpt [--json data/reference/ladder_gpt_<gpu>.json]
+    python -m course_lib.chapters.ladder optimizer | checkpointing [--json ...]
+
+`course` is the course's own model (SimpleCNN on the shipped Fashion-MNIST, trained by the
+course's Trainer). On a GPU the other workloads are full size: ResNet-50 on synthetic 224x224
+images, GPT-2 small (124M parameters) on 1,024-token sequences. On a CPU the same code runs at toy size to show that it
+works; nothing sized for a GPU runs there. Ratios between rungs are the result: they come from
+one process, one machine, minutes apart, and each timing carries its spread.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import textwrap
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..data import load_dataset, make_loader
+from ..device import cuda_capability, has_native_bf16, peak_tflops, pick_device, tf32
+from ..models import GPT, GPTConfig, SimpleCNN
+from ..reference import record
+from ..timing import peak_memory_bytes, saved_tensor_bytes, time_fn
+from ..train import History, TrainConfig, Trainer
+from .bench import mixed_precision_for, step_row
+from .matmul import matmul_tflops
+
+__all__ = ["course_ladder", "resnet50_ladder", "largest_batch", "gpt_ladder", "optimizer_table", "checkpointing_table",
+           "targets", "format_rows", "format_targets", "accuracy_parity", "read_parity"]
+
+# The performance targets of the course on an H100/H200, as ratios measured in one run.
+TARGETS = {"resnet50_img_s": 2470.0, "amp_vs_strict_fp32": 3.0, "amp_vs_tf32": 1.8, "amp_memory_vs_fp32": 0.65,
+           "gpt_mfu": 0.33}
+
+
+def _with_speedup(rows: list[dict]) -> list[dict]:
+    base = next(r["ms_per_step"] for r in rows if "ms_per_step" in r)
+    for r in rows:
+        if "ms_per_step" in r:
+            r["speedup"] = base / r["ms_per_step"]
+    return rows
+
+
+# --------------------------------------------------------------------------- the course's model
+
+# (label, mixed precision, channels_last, fused AdamW, torch.compile, data on the device): one change per rung.
+COURSE_RUNGS = [("fp32, DataLoader", False, False, False, False, False), ("+ AMP", True, False, False, False, False),
+                ("+ channels_last", True, True, False, False, False), ("+ fused AdamW", True, True, True, False, False),
+                ("+ torch.compile", True, True, True, True, False),
+                ("+ data on the device", True, True, True, True, True)]
+
+
+def _cycle(batches):
+    while True:
+        yield from batches
+
+
+def _resident(x: torch.Tensor, y: torch.Tensor, batch: int):
+    """Batches sliced from tensors already on the device, reshuffled every pass: no DataLoader."""
+    while True:
+        perm = torch.randperm(len(y), device=x.device)
+        for i in range(0, len(y) - batch + 1, batch):
+            idx = perm[i:i + batch]
+            yield x[idx], y[idx]
+
+
+def course_ladder(device: str = "auto", batch: int | None = None, steps: int | None = None,
+                  compile_on_cpu: bool = False) -> list[dict]:
+    """Chapter 09: the course's SimpleCNN on the shipped Fashion-MNIST, trained by the course's Trainer,
+    one change per rung: fp32 fed by a DataLoader -> AMP -> channels_last -> fused AdamW -> torch.compile
+    -> the data kept on the device. Each rung: ms per step, loading included, with spread; images/s.
+
+    fp32 is PyTorch's default (on Ampere or newer, cuDNN convolutions then use TF32); AMP is the
+    device's mixed precision (`mixed_precision_for`). Defaults: batch 256 and 30 timed
+    steps on a GPU; batch 32 and 5 steps on a CPU, where torch.compile is skipped (its first call
+    takes minutes there) unless compile_on_cpu is set.
+    """
+    dev = pick_device(device)
+    cuda = dev.type == "cuda"
+    batch, steps = batch or (256 if cuda else 32), steps or (30 if cuda else 5)
+    amp = mixed_precision_for(dev)
+    ds = load_dataset(train_size=None if cuda else 2048, verbose=False)
+    rows = []
+    for label, mixed, channels_last, fused, compiled, resident in COURSE_RUNGS:
+        label = label.replace("AMP", f"AMP {amp}")
+        if compiled and not cuda and not compile_on_cpu:  # not measured; the next rung runs uncompiled
+            if not resident:
+                rows.append({"mode": label, "note": "skipped on a CPU: compiling takes minutes there"})
+                continue
+            compiled, label = False, label + " (eager)"
+        torch.manual_seed(0)
+        model = SimpleCNN(in_channels=1)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if fused else {}))
+        cfg = TrainConfig(precision=amp if mixed else "fp32", device=str(dev), channels_last=channels_last,
+                          progress=False, log_every=10**9)
+        trainer = Trainer(torch.compile(model) if compiled else model, opt, cfg)
+        batches = (_resident(*(t.to(dev) for t in ds.train.tensors), batch) if resident else
+                   _cycle(make_loader(ds.train, batch, seed=0, drop_last=True)))
+        timing = time_fn(lambda t=trainer, b=batches: t.train_step([next(b)]), warmup=3 if compiled else 2,
+                         iters=steps, device=dev)
+        q1, q3 = timing.quartiles_ms
+        rows.append({"mode": label, "precision": trainer.precision, "batch": batch, "ms_per_step": timing.median_ms,
+                     "ms_q1": q1, "ms_q3": q3, "times_ms": timing.times_ms,
+                     "samples_per_s": batch / timing.median_ms * 1e3})
+        del trainer, model, opt
+    return _with_speedup(rows)
+
+
+# --------------------------------------------------------------------------- ResNet-50
+
+def resnet50_ladder(device: str = "auto", batch: int | None = None, steps: int | None = None,
+                    image_size: int | None = None) -> list[dict]:
+    """Chapter 09: ResNet-50 training steps in strict FP32, TF32, bf16 and fp16 AMP, each without and
+    with channels_last: ms/step with spread, images/s, peak memory (CUDA), speed-up over strict FP32.
+
+    Defaults: batch 128 at 224 px on a GPU (64 below 24 GiB); batch 4 at 64 px on a CPU (a toy run,
+    without fp16: a CPU has no fast fp16 convolution backward). Rows the hardware cannot run
+    natively are kept, with the reason.
+    """
+    dev = pick_device(device)
+    cuda = dev.type == "cuda"
+    if cuda:
+        big = torch.cuda.get_device_properties(dev).total_memory >= 24 * 2**30
+        batch, steps, size = batch or (128 if big else 64), steps or 20, image_size or 224
+    else:
+        batch, steps, size = batch or 4, steps or 3, image_size or 64
+    shape = (3, size, size)
+    ampere = cuda and cuda_capability(dev) >= (8, 0)
+    rows = []
+    for label, precision, allow_tf32 in (("FP32 (strict)", "fp32", False), ("TF32", "fp32", True),
+                                         ("AMP bf16", "bf16", False), ("AMP fp16", "fp16", False)):
+        for channels_last in (False, True):
+            mode = label + (" + channels_last" if channels_last else "")
+            why = ("TF32 needs an NVIDIA Ampere-or-newer GPU (sm_80+)" if allow_tf32 and not ampere else
+                   "no native bf16 here: it would be emulated" if precision == "bf16" and not has_native_bf16(dev)
+                   else "no fast fp16 convolution backward on a CPU" if precision == "fp16" and not cuda else "")
+            rows.append({"mode": mode, "note": why} if why else
+                        {"mode": mode, "image_size": size,
+                         **step_row("resnet50", precision, dev, batch=batch, steps=steps, allow_tf32=allow_tf32,
+                                    channels_last=channels_last, shape=shape)})
+    return _with_speedup(rows)
+
+
+def largest_batch(precision: str = "bf16", channels_last: bool = True, device: str = "auto",
+                  start: int = 64, limit: int = 4096) -> dict:
+    """Chapter 09: the largest ResNet-50 batch (224 px) that trains in GPU memory: doubling from
+    `start` until CUDA runs out of memory, which is caught and released. CPU: not measured."""
+    dev = pick_device(device)
+    if dev.type != "cuda":
+        return {"precision": precision, "largest_batch": None, "note": "measured on a GPU only"}
+    fits, batch = None, start
+    while batch <= limit:
+        try:
+            step_row("resnet50", precision, dev, batch=batch, steps=1, channels_last=channels_last)
+            fits, batch = batch, batch * 2
+        except torch.cuda.OutOfMemoryError:
+            break
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+    return {"precision": precision, "channels_last": channels_last, "largest_batch": fits,
+            "note": "" if batch <= limit else f"fits up to the probe's limit ({limit})"}
+
+
+# --------------------------------------------------------------------------- GPT
+
+def _gpt_size(dev: torch.device, batch: int | None, seq: int | None) -> tuple[GPTConfig, int, int]:
+    if dev.type == "cuda":
+        big = torch.cuda.get_device_properties(dev).total_memory >= 40 * 2**30
+        return GPTConfig(), batch or (16 if big else 4), seq or 1024
+    return GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=2, n_embd=64), batch or 4, seq or 64
+
+
+def _gpt_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+              amp: str | None, scaler: torch.amp.GradScaler) -> Callable[[], None]:
+    dev = x.device.type
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp or "")
+
+    def step() -> None:
+        with torch.autocast(dev, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            _, loss = model(x, y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+# (label, tf32, mixed precision, SDPA attention, torch.compile, fused AdamW): each rung adds one change.
+GPT_RUNGS = [("FP32 (strict)", False, False, False, False, False), ("TF32", True, False, False, False, False),
+             ("AMP", True, True, False, False, False), ("+ SDPA attention", True, True, True, False, False),
+             ("+ torch.compile", True, True, True, True, False), ("+ fused AdamW", True, True, True, True, True)]
+
+
+def gpt_ladder(device: str = "auto", batch: int | None = None, seq: int | None = None, steps: int | None = None,
+               compile_on_cpu: bool = False) -> list[dict]:
+    """Chapter 09: the GPT ladder, strict FP32 -> TF32 -> AMP -> SDPA -> torch.compile -> fused AdamW.
+
+    Each rung: ms/step with spread, tokens/s, and MFU (model FLOPs utilisation: the model's training
+    FLOPs per second over the datasheet peak of the rung's precision). AMP is bf16 where it is native
+    and fp16 with a GradScaler elsewhere. On a CPU the model is a toy and torch.compile is skipped
+    (its first call takes minutes there) unless compile_on_cpu is set.
+    """
+    dev = pick_device(device)
+    config, batch, seq = _gpt_size(dev, batch, seq)
+    amp = mixed_precision_for(dev)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randint(0, config.vocab_size, (batch, seq), device=dev, generator=g)
+    y = torch.randint(0, config.vocab_size, (batch, seq), device=dev, generator=g)
+    rows = []
+    for label, allow_tf32, mixed, sdpa, compiled, fused in GPT_RUNGS:
+        label = label.replace("AMP", f"AMP {amp}")
+        if compiled and dev.type != "cuda" and not compile_on_cpu:
+            rows.append({"mode": label, "note": "skipped on a CPU: compiling takes minutes there (see the GPU run)"})
+            continue
+        if allow_tf32 and not mixed and not (dev.type == "cuda" and cuda_capability(dev) >= (8, 0)):
+            rows.append({"mode": label, "note": "TF32 needs an NVIDIA Ampere-or-newer GPU (sm_80+)"})
+            continue
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**{**config.__dict__, "sdpa": sdpa})).to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=6e-4, **({"fused": True} if fused else {"foreach": True}))
+        scaler = torch.amp.GradScaler(dev.type, enabled=mixed and amp == "fp16")
+        step = _gpt_step(torch.compile(model) if compiled else model, opt, x, y, amp if mixed else None, scaler)
+        with tf32(allow_tf32):
+            timing = time_fn(step, warmup=3, iters=steps or (10 if dev.type == "cuda" else 3), device=dev)
+        tokens_s = batch * seq / timing.median_ms * 1e3
+        achieved = model.flops_per_token(seq) * tokens_s / 1e12
+        peak = peak_tflops(name, amp if mixed else "tf32" if allow_tf32 else "fp32") if name else None
+        q1, q3 = timing.quartiles_ms
+        rows.append({"mode": label, "batch": batch, "seq": seq, "params_m": sum(p.numel() for p in model.parameters())
+                     / 1e6, "ms_per_step": timing.median_ms, "ms_q1": q1, "ms_q3": q3, "times_ms": timing.times_ms,
+                     "tokens_per_s": tokens_s, "model_tflops": achieved, "mfu": achieved / peak if peak else None})
+        del model, opt, step
+    return _with_speedup(rows)
+
+
+def matmul_ceiling(device: str = "auto") -> float | None:
+    """The bf16 TFLOP/s of a large matmul measured here: what the GPU really reaches, next to its datasheet."""
+    dev = pick_device(device)
+    return matmul_tflops(8192, torch.bfloat16, dev)[0] if dev.type == "cuda" else None
+
+
+# --------------------------------------------------------------------------- optimizer and memory
+
+def optimizer_table(device: str = "auto", steps: int | None = None) -> list[dict]:
+    """Chapter 09: the cost of one AdamW step over the GPT's parameters: a Python for-loop over the
+    tensors, `foreach` (a few multi-tensor kernels) and `fused` (one kernel per group)."""
+    dev = pick_device(device)
+    config, _, _ = _gpt_size(dev, None, None)
+    if dev.type != "cuda":  # wide enough for the per-tensor overhead to show, still a toy
+        config = GPTConfig(**{**config.__dict__, "n_layer": 4, "n_embd": 256, "n_head": 4})
+    torch.manual_seed(0)
+    params = [p for p in GPT(config).to(dev).parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    rows = []
+    for label, kwargs in (("for-loop", {"foreach": False}), ("foreach", {"foreach": True}), ("fused", {"fused": True})):
+        opt = torch.optim.AdamW(params, lr=1e-4, **kwargs)
+        timing = time_fn(opt.step, warmup=3, iters=steps or (20 if dev.type == "cuda" else 10), device=dev)
+        q1, q3 = timing.quartiles_ms
+        rows.append({"mode": f"AdamW {label}", "params_m": sum(p.numel() for p in params) / 1e6, "tensors": len(params),
+                     "ms_per_step": timing.median_ms, "ms_q1": q1, "ms_q3": q3, "times_ms": timing.times_ms})
+    return _with_speedup(rows)
+
+
+class _Checkpointed(torch.nn.Module):
+    """A block whose activations are recomputed in backward instead of being kept."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def checkpointing_table(device: str = "auto", steps: int | None = None) -> list[dict]:
+    """Chapter 09: activation checkpointing's trade: time per training step against memory (peak
+    memory on CUDA; bytes saved for backward on any device), without and with a checkpoint per block."""
+    dev = pick_device(device)
+    config, batch, seq = _gpt_size(dev, None, None)
+    amp = mixed_precision_for(dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randint(0, config.vocab_size, (batch, seq), device=dev, generator=g)
+    rows = []
+    for label, wrap in (("no checkpointing", False), ("checkpoint every block", True)):
+        torch.manual_seed(0)
+        model = GPT(config).to(dev)
+        if wrap:
+            model.blocks = torch.nn.ModuleList(_Checkpointed(b) for b in model.blocks)
+        opt = torch.optim.AdamW(model.parameters(), lr=6e-4)
+        scaler = torch.amp.GradScaler(dev.type, enabled=amp == "fp16")
+        step = _gpt_step(model, opt, x, x, amp, scaler)
+        timing = time_fn(step, warmup=2, iters=steps or (10 if dev.type == "cuda" else 3), device=dev)
+        dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+        with torch.autocast(dev.type, dtype=dtype):
+            saved = sum(saved_tensor_bytes(lambda m=model: m(x, x)[1]).values())
+        peak = peak_memory_bytes(step, dev)
+        q1, q3 = timing.quartiles_ms
+        rows.append({"mode": label, "ms_per_step": timing.median_ms, "ms_q1": q1, "ms_q3": q3,
+                     "times_ms": timing.times_ms, "saved_mib": saved / 2**20,
+                     "peak_memory_gib": peak / 2**30 if peak is not None else None})
+        del model, opt, step
+    return _with_speedup(rows)
+
+
+# --------------------------------------------------------------------------- does AMP change what is learned?
+
+def accuracy_parity(device: str = "auto", train_size: int | None = None, test_size: int = 1000, epochs: int = 3,
+                    batch: int = 64, width: int | None = None, lr: float = 5e-3) -> dict[str, History]:
+    """Chapter 09: the course's CNN trained on the shipped Fashion-MNIST three times: fp32 with seed 0,
+    fp32 with seed 1 (how much two seeds differ: the noise), and mixed precision with seed 0.
+
+    Defaults: on a GPU the full width (64) on the 10,000 shipped images; on a CPU width 16 on 2,048.
+    """
+    dev = pick_device(device)
+    cuda = dev.type == "cuda"
+    ds = load_dataset(train_size=train_size or (None if cuda else 2048), test_size=test_size, verbose=False)
+    runs = {}
+    for label, precision, seed in (("fp32, seed 0", "fp32", 0), ("fp32, seed 1", "fp32", 1),
+                                   (f"{mixed_precision_for(dev)}, seed 0", mixed_precision_for(dev), 0)):
+        torch.manual_seed(seed)
+        model = SimpleCNN(in_channels=1, width=width or (64 if cuda else 16))
+        cfg = TrainConfig(precision=precision, device=str(dev), epochs=epochs, log_every=8, progress=False)
+        trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=lr), cfg)
+        runs[label] = trainer.fit(make_loader(ds.train, batch, seed=seed),
+                                  eval_loader=make_loader(ds.test, 500, shuffle=False))
+    return runs
+
+
+def read_parity(runs: dict[str, History]) -> str:
+    """Chapter 09: the mixed-precision run against the fp32 run of the same seed, measured against the
+    difference two fp32 seeds make: is AMP's effect on accuracy larger than the noise?"""
+    a, seed1, b = runs
+    acc = {k: h.eval[-1]["accuracy"] for k, h in runs.items()}
+    noise, effect = abs(acc[a] - acc[seed1]), abs(acc[b] - acc[a])
+    verdict = ("within the seed-to-seed noise" if effect <= noise else
+               "larger than the seed-to-seed noise of this run; repeat with more seeds before concluding")
+    return "\n".join(["test accuracy: " + ", ".join(f"{k} {v:.3f}" for k, v in acc.items()),
+                      textwrap.fill(f"{b} vs {a}: {effect:.3f} apart; {a} vs {seed1}: {noise:.3f} apart. The "
+                                    f"mixed-precision difference is {verdict}.", 100)])
+
+
+# --------------------------------------------------------------------------- targets and tables
+
+def targets(resnet_rows: list[dict], gpt_rows: list[dict] | None = None) -> list[dict]:
+    """Chapter 09: the course's performance targets computed from ladder rows: value, target, met."""
+    def row(prefix: str, channels_last: bool = False) -> dict | None:
+        return next((r for r in resnet_rows if r["mode"].startswith(prefix) and "ms_per_step" in r
+                     and r.get("channels_last") == channels_last), None)
+
+    fp32, tf32_row = row("FP32"), row("TF32")
+    amp = max((r for r in resnet_rows if r["mode"].startswith("AMP") and "ms_per_step" in r),
+              key=lambda r: r["samples_per_s"], default=None)
+    amp_same_layout = row(amp["mode"].split(" +")[0], False) if amp else None
+
+    def ratio(a: dict | None, b: dict | None, key: str) -> float | None:
+        return a[key] / b[key] if a and b and a.get(key) and b.get(key) else None
+
+    best_gpt = max((r["mfu"] for r in gpt_rows or [] if r.get("mfu") is not None), default=None)
+    out = [("ResNet-50 best AMP images/s", amp["samples_per_s"] if amp else None, TARGETS["resnet50_img_s"], ">="),
+           ("ResNet-50 speed, best AMP / strict FP32", ratio(amp, fp32, "samples_per_s"),
+            TARGETS["amp_vs_strict_fp32"], ">="),
+           ("ResNet-50 speed, best AMP / TF32", ratio(amp, tf32_row, "samples_per_s"), TARGETS["amp_vs_tf32"], ">="),
+           ("ResNet-50 peak memory, AMP / FP32 (same batch, NCHW)",
+            ratio(amp_same_layout, fp32, "peak_memory_gib"), TARGETS["amp_memory_vs_fp32"], "<="),
+           ("GPT best MFU", best_gpt, TARGETS["gpt_mfu"], ">=")]
+    return [{"goal": goal, "value": value, "target": target, "sense": sense,
+             "met": None if value is None else (value >= target if sense == ">=" else value <= target)}
+            for goal, value, target, sense in out]
+
+
+def format_targets(rows: list[dict]) -> str:
+    """Chapter 09: targets() as text; 'n/a' where this machine cannot measure the goal."""
+    out = [f"{'goal':<54}{'value':>10}{'target':>10}  met"]
+    for r in rows:
+        value = "n/a" if r["value"] is None else f"{r['value']:.3g}"
+        met = "n/a" if r["met"] is None else ("yes" if r["met"] else "NO")
+        out.append(f"{r['goal']:<54}{value:>10}{r['sense'] + format(r['target'], '.3g'):>10}  {met}")
+    return "\n".join(out)
+
+
+def format_rows(rows: list[dict]) -> str:
+    """Chapter 09: ladder rows as a table of at most 100 columns (MFU and memory where measured)."""
+    out = [f"{'rung':<32}{'ms/step':>9}{'middle half':>15}{'speed-up':>9}{'throughput':>13}{'mem/MFU':>11}"]
+    for r in rows:
+        if "ms_per_step" not in r:
+            out.append(f"{r['mode']:<32}  skipped: {r['note']}")
+            continue
+        rate = (f"{r['samples_per_s']:.0f} img/s" if "samples_per_s" in r else
+                f"{r['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in r else "")
+        extra = (f"{r['mfu']:.0%} MFU" if r.get("mfu") is not None else
+                 f"{r['peak_memory_gib']:.2f} GiB" if r.get("peak_memory_gib") is not None else
+                 f"{r['saved_mib']:.1f} MiB" if "saved_mib" in r else "")
+        half = f"{r['ms_q1']:.1f}-{r['ms_q3']:.1f}"
+        out.append(f"{r['mode']:<32}{r['ms_per_step']:>9.1f}{half:>15}{r['speedup']:>8.2f}x{rate:>13}{extra:>11}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m course_lib.chapters.ladder", description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=["course", "resnet50", "gpt", "optimizer", "checkpointing", "all"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", help="also write rows (and targets) with provenance (data/reference/ladder_<gpu>.json)")
+    args = p.parse_args(argv)
+    payload: dict = {}
+    if args.what in ("course", "all"):
+        payload["course"] = course_ladder(args.device)
+    if args.what in ("resnet50", "all"):
+        payload["resnet50"] = resnet50_ladder(args.device)
+        payload["largest_batch"] = [largest_batch(precision, device=args.device) for precision in ("fp32", "bf16")]
+    if args.what in ("gpt", "all"):
+        payload["gpt"] = gpt_ladder(args.device)
+        payload["matmul_ceiling_tflops"] = matmul_ceiling(args.device)
+    if args.what in ("optimizer", "all"):
+        payload["optimizer"] = optimizer_table(args.device)
+    if args.what in ("checkpointing", "all"):
+        payload["checkpointing"] = checkpointing_table(args.device)
+    if "resnet50" in payload:
+        payload["targets"] = targets(payload["resnet50"], payload.get("gpt"))
+    tables = ("course", "resnet50", "gpt", "optimizer", "checkpointing")
+    text = "\n\n".join(format_rows(v) for k, v in payload.items() if k in tables)
+    if "targets" in payload:
+        text += "\n\n" + format_targets(payload["targets"])
+    command = "python -m course_lib.chapters.ladder " + " ".join(argv if argv is not None else sys.argv[1:])
+    record(command, text, args.json, **payload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

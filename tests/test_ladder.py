@@ -1,0 +1,103 @@
+"""course_lib.chapters.ladder: every rung runs at toy size on a CPU; targets are computed, not typed."""
+import json
+
+import pytest
+
+from course_lib.chapters import ladder
+
+
+def test_resnet50_ladder_times_every_rung_this_machine_can_run_and_says_why_not_the_others(monkeypatch):
+    # ResNet-50 has 25M parameters: even at 32 px a CPU step takes about a second, and each row
+    # warms up first. The rows' logic is tested here with bench.step_row (tested in test_bench.py)
+    # replaced by a stand-in that records what it was asked to time.
+    asked = []
+
+    def step_row(model, precision, device, *, batch, steps, allow_tf32=False, channels_last=False, shape=None):
+        asked.append((model, precision, channels_last, shape))
+        ms = {"fp32": 40.0, "bf16": 20.0}[precision] * (0.9 if channels_last else 1.0)
+        return {"precision": precision, "tf32": allow_tf32, "channels_last": channels_last, "model": model,
+                "batch": batch, "steps": steps, "ms_per_step": ms, "ms_q1": ms, "ms_q3": ms, "times_ms": [ms],
+                "samples_per_s": batch / ms * 1e3, "peak_memory_gib": None}
+    monkeypatch.setattr(ladder, "step_row", step_row)
+    monkeypatch.setattr(ladder, "has_native_bf16", lambda dev: True)
+    rows = ladder.resnet50_ladder("cpu", batch=2, steps=1, image_size=32)
+    assert asked == [("resnet50", p, cl, (3, 32, 32)) for p in ("fp32", "bf16") for cl in (False, True)]
+    assert [r["mode"] for r in rows] == [f"{p}{cl}" for p in ("FP32 (strict)", "TF32", "AMP bf16", "AMP fp16")
+                                         for cl in ("", " + channels_last")]
+    assert all("sm_80" in r["note"] for r in rows if r["mode"].startswith("TF32"))
+    assert all("fp16 convolution" in r["note"] for r in rows if r["mode"].startswith("AMP fp16"))  # minutes on a CPU
+    timed = [r for r in rows if "ms_per_step" in r]
+    assert timed[0]["speedup"] == 1.0 and timed[0]["image_size"] == 32  # a toy on a CPU, never 224 px
+    assert [round(r["speedup"], 2) for r in timed] == [1.0, 1.11, 2.0, 2.22]
+    assert all(len(line) <= 100 for line in ladder.format_rows(rows).splitlines())
+    monkeypatch.setattr(ladder, "has_native_bf16", lambda dev: False)
+    rows = ladder.resnet50_ladder("cpu", batch=2, steps=1)
+    assert all("emulated" in r["note"] for r in rows if r["mode"].startswith("AMP bf16"))
+    assert asked[-1][3] == (3, 64, 64)  # the CPU's default toy size
+
+
+def test_course_ladder_adds_one_change_per_rung_and_skips_compiling_on_a_cpu():
+    rows = ladder.course_ladder("cpu", batch=4, steps=1)
+    assert [r["mode"].split(" (")[0] for r in rows] == [
+        "fp32, DataLoader", f"+ AMP {rows[1].get('precision', 'bf16')}", "+ channels_last", "+ fused AdamW",
+        "+ torch.compile", "+ data on the device"]
+    assert "compiling takes minutes" in rows[4]["note"] and rows[5]["mode"].endswith("(eager)")
+    timed = [r for r in rows if "ms_per_step" in r]
+    assert len(timed) == 5 and timed[0]["speedup"] == 1.0 and timed[0]["precision"] == "fp32"
+    assert all(r["samples_per_s"] > 0 for r in timed)
+
+
+def test_accuracy_parity_trains_two_seeds_and_mixed_precision_and_reads_them():
+    runs = ladder.accuracy_parity("cpu", train_size=64, test_size=40, epochs=1, batch=32, width=4)
+    assert list(runs)[:2] == ["fp32, seed 0", "fp32, seed 1"] and list(runs)[2].endswith("seed 0")
+    assert all(len(h.eval) == 1 and len(h.loss) == 2 for h in runs.values())
+    text = ladder.read_parity(runs)
+    assert "seed-to-seed noise" in text and all(len(line) <= 100 for line in text.splitlines())
+
+
+def test_gpt_ladder_adds_one_change_per_rung_and_skips_compiling_on_a_cpu():
+    rows = ladder.gpt_ladder("cpu", batch=1, seq=8, steps=1)
+    modes = [r["mode"] for r in rows]
+    assert modes[0] == "FP32 (strict)" and modes[3] == "+ SDPA attention" and modes[-1] == "+ fused AdamW"
+    compiled = [r for r in rows if "compile" in r["mode"] or "fused" in r["mode"]]
+    assert all("compiling takes minutes" in r["note"] for r in compiled)
+    timed = [r for r in rows if "ms_per_step" in r]
+    assert len(timed) >= 3 and all(r["tokens_per_s"] > 0 and r["mfu"] is None for r in timed)  # no CPU peak
+
+
+def test_optimizer_and_checkpointing_tables_measure_what_they_say():
+    opt = ladder.optimizer_table("cpu", steps=1)
+    assert [r["mode"] for r in opt] == ["AdamW for-loop", "AdamW foreach", "AdamW fused"]
+    ckpt = ladder.checkpointing_table("cpu", steps=1)
+    kept, recomputed = ckpt[0]["saved_mib"], ckpt[1]["saved_mib"]
+    assert recomputed < kept  # checkpointing keeps only each block's input
+
+
+def test_largest_batch_is_a_gpu_measurement():
+    assert ladder.largest_batch("bf16", device="cpu")["largest_batch"] is None
+
+
+def _row(mode, img_s, mem, channels_last=False):
+    return {"mode": mode, "ms_per_step": 1000 / img_s, "samples_per_s": img_s, "peak_memory_gib": mem,
+            "channels_last": channels_last}
+
+
+def test_targets_are_ratios_of_measured_rows():
+    rows = [_row("FP32 (strict)", 800, 20.0), _row("TF32", 1500, 20.0), _row("AMP bf16", 2600, 12.0),
+            _row("AMP bf16 + channels_last", 3000, 12.5, True), {"mode": "AMP fp16", "note": "x"}]
+    goals = {t["goal"]: t for t in ladder.targets(rows, [{"mfu": 0.41}, {"mfu": None}])}
+    assert goals["ResNet-50 best AMP images/s"]["value"] == 3000 and goals["ResNet-50 best AMP images/s"]["met"]
+    assert goals["ResNet-50 speed, best AMP / strict FP32"]["value"] == pytest.approx(3.75)
+    assert goals["ResNet-50 speed, best AMP / TF32"]["value"] == pytest.approx(2.0)
+    assert goals["ResNet-50 peak memory, AMP / FP32 (same batch, NCHW)"]["value"] == pytest.approx(0.6)
+    assert goals["GPT best MFU"]["met"] is True
+    cpu = {t["goal"]: t for t in ladder.targets([_row("FP32 (strict)", 10, None)])}
+    assert cpu["ResNet-50 best AMP images/s"]["met"] is None and "n/a" in ladder.format_targets(list(cpu.values()))
+
+
+def test_cli_records_rows_with_provenance(tmp_path):
+    out = tmp_path / "ladder.json"
+    assert ladder.main(["checkpointing", "--device", "cpu", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["provenance"]["command"].startswith("python -m course_lib.chapters.ladder checkpointing")
+    assert len(data["checkpointing"]) == 2 and "targets" not in data
