@@ -160,7 +160,7 @@ def test_the_real_measurement_runs_both_scripts_in_a_fresh_process():
 def test_a_script_that_crashes_in_the_fresh_process_is_a_failure_not_a_crash(monkeypatch):
     monkeypatch.setattr(ch09, "MEASURE_LIMIT", 60.0)
     broken = {**speedup.SLOW, "optimizer": "no-such-thing"}  # the slow script runs first: break it to be quick
-    with pytest.raises(CheckFailure, match="the script failed with your settings"):
+    with pytest.raises(CheckFailure, match="running the slow script and yours failed"):
         ch09.measure_in_fresh_process(broken, broken)
 
 

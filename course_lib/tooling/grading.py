@@ -23,11 +23,14 @@ import os
 import random
 import re
 import signal
+import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["Check", "CheckFailure", "register", "check", "run_check", "get_check", "checks_for", "to_plain",
+__all__ = ["Check", "CheckFailure", "in_fresh_process", "register", "check", "run_check", "get_check",
+           "checks_for", "to_plain",
            "respond", "judge_response", "prepare", "serve", "STATUSES"]
 
 NAME_RE = re.compile(r"^(\d{2})\.[A-Za-z0-9_]+$")
@@ -76,6 +79,25 @@ class Check:
 
 
 _REGISTRY: dict[str, Check] = {}  # insertion order = the order checks are graded and listed
+
+
+def in_fresh_process(module: str, args: list, limit: float, what: str) -> Any:
+    """Run `python -m module 'json(args)'` in a new process and return the JSON of its last line.
+
+    For checks that measure: a DataLoader forks its workers, and forking the grader, whose judges
+    run in threads, could copy a lock another thread holds into a worker that then waits for it
+    forever. A fresh process has one thread, a time limit, and none of the grader's state.
+    `what` names the measurement in the CheckFailure raised on a timeout or a failure."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    try:
+        done = subprocess.run([sys.executable, "-m", module, json.dumps(args)], capture_output=True, text=True,
+                              timeout=limit, cwd=root, env=env)
+    except subprocess.TimeoutExpired:
+        raise CheckFailure(f"{what} took over {limit:.0f} s") from None
+    if done.returncode != 0:
+        raise CheckFailure(f"{what} failed: {done.stderr.strip()[-600:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def register(cls: type[Check]) -> type[Check]:

@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import random
-import subprocess
 import sys
 import threading
-from pathlib import Path
 
 from torch.utils.data import DataLoader
 
 from ...chapters import loading
 from ...data import load_dataset
-from ..grading import Check, CheckFailure, register
+from ..grading import Check, CheckFailure, in_fresh_process, register
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
@@ -90,19 +87,8 @@ def measurements(case: dict, settings: dict) -> tuple[float, float | None]:
 
 
 def measure_in_fresh_process(case: dict, settings: dict) -> tuple[float, float | None]:
-    """measurements() in a new Python process. The DataLoader forks its workers, and forking the
-    grader, whose judges run in threads, could copy a lock another thread holds into a worker that
-    then waits for it forever. A fresh process has one thread, and a time limit."""
-    root = Path(__file__).resolve().parents[3]
-    command = [sys.executable, "-m", __name__, json.dumps([case, settings])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=MEASURE_LIMIT, cwd=root, env=env)
-    except subprocess.TimeoutExpired:
-        raise CheckFailure(f"measuring a loader with {settings!r} took over {MEASURE_LIMIT:.0f} s") from None
-    if done.returncode != 0:
-        raise CheckFailure(f"the loader with {settings!r} failed: {done.stderr.strip()[-600:]}")
-    mine, theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    """measurements() in a new Python process (grading.in_fresh_process says why)."""
+    mine, theirs = in_fresh_process(__name__, [case, settings], MEASURE_LIMIT, f"measuring a loader with {settings!r}")
     return mine, theirs
 
 

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import subprocess
 import sys
 import threading
-from pathlib import Path
 
 from ...chapters import speedup
-from ..grading import Check, CheckFailure, register
+from ..grading import Check, CheckFailure, in_fresh_process, register
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
@@ -70,19 +67,8 @@ def measurements(slow: dict, fast: dict, repeats: int = REPEATS) -> dict:
 
 
 def measure_in_fresh_process(slow: dict, fast: dict) -> dict:
-    """measurements() in a new Python process: the script's DataLoader may fork workers, and forking the
-    grader, whose judges run in threads, could copy a lock another thread holds into a worker that then
-    waits for it forever. A fresh process has one thread, a time limit, and no state of the grader's."""
-    root = Path(__file__).resolve().parents[3]
-    command = [sys.executable, "-m", __name__, json.dumps([slow, fast])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=MEASURE_LIMIT, cwd=root, env=env)
-    except subprocess.TimeoutExpired:
-        raise CheckFailure(f"running the two scripts took over {MEASURE_LIMIT:.0f} s") from None
-    if done.returncode != 0:
-        raise CheckFailure(f"the script failed with your settings: {done.stderr.strip()[-600:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """measurements() in a new Python process (grading.in_fresh_process says why)."""
+    return in_fresh_process(__name__, [slow, fast], MEASURE_LIMIT, "running the slow script and yours")
 
 
 def verdict(m: dict) -> None:
