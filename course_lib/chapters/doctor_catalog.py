@@ -62,10 +62,11 @@ PROBLEMS: dict[str, tuple[str, str, str]] = {
                        "fp16's range (course_lib.chapters.overflow.trace_magnitudes; torch.autograd.detect_anomaly "
                        "for the backward) and run it in fp32 (autocast(enabled=False) around it), or use bf16.",
                        "03, 09"),
-    "scale_collapsing": ("the loss scale keeps falling: every recent step was skipped", "a finite loss whose "
-                         "gradients overflow at any scale means an inf/NaN made inside the backward or the model "
-                         "(find it with torch.autograd.detect_anomaly); a scale near 1 or below can no longer "
-                         "protect small gradients. Training is not happening while every step is skipped.", "03, 09"),
+    "scale_collapsing": ("the loss scale keeps falling: every recent step was skipped", "no scale helps: either "
+                         "the loss itself is inf/NaN (see the finding about it, if any) or an inf/NaN is made "
+                         "inside the model or the backward (find it with torch.autograd.detect_anomaly). Training "
+                         "is not happening while every step is skipped, and a scale near 1 or below can no longer "
+                         "protect small gradients.", "03, 09"),
     "scheduler_on_skipped_step": ("the learning-rate scheduler stepped on steps the scaler skipped", "step the "
                                   "scheduler only when the optimizer really stepped (the scale falls exactly when a "
                                   "step is skipped: compare scaler.get_scale() before and after update(), as the "
