@@ -19,8 +19,8 @@ from ..grading import Check, CheckFailure, in_fresh_process, register
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
 THRESHOLD = 0.15   # at most this fraction of the loop's time may be spent waiting for data
-TOLERANCE = 0.20   # on a machine too busy for the grader's own settings: as good as those, within this
-STEPS = 14
+NOISE = 0.05       # two runs of the same settings differ by this much on a quiet 2-core machine
+STEPS = 20
 MEASURE_LIMIT = 120.0  # seconds for one submission's measurements, torch's import included
 ALLOWED = {"batch_size": "the case's batch size", "num_workers": "an int from 0 to {max_workers}",
            "prefetch_factor": "None or an int from 1 to 16", "persistent_workers": "True or False",
@@ -111,7 +111,7 @@ class LoaderSettings(Check):
         n = loading.cpus()
         with _MEASURING:  # one core's cost per image of the grader's augmentation, on this machine, now
             probe = DataLoader(_dataset(), batch_size=32)
-            run = loading.measure_loader(probe, loading.simulated_step(0), steps=4, warmup=1)
+            run = loading.measure_loader(probe, loading.simulated_step(0), steps=8, warmup=1)
         per_image_ms = run.step.median_ms / 32
         out = []
         for batch_size in (rng.choice([24, 32, 40]), rng.choice([48, 56, 64])):
@@ -144,14 +144,27 @@ class LoaderSettings(Check):
             mine, theirs = measure_in_fresh_process(case, settings)
         if mine <= THRESHOLD:
             return
-        said = (f"{call} returned {settings!r}: a loop with {step:g} ms of compute per step waited for data "
-                f"{mine:.0%} of the time (at most {THRESHOLD:.0%} passes); with {ours!r} it waited {theirs:.0%} "
-                "on this machine just now")
-        if theirs <= THRESHOLD or settings.get("num_workers", 0) == 0 or mine > theirs + TOLERANCE:
-            raise CheckFailure(said)
-        # The grader's own settings could not hide the loading either (a busy machine): as good as
-        # those, within the tolerance, passes; loading in the training process itself never does.
+        in_process = settings.get("num_workers", 0) == 0
+        if in_process or mine > allowed_wait(theirs):
+            rule = ("num_workers=0 loads between steps and never passes" if in_process else
+                    f"or not much more than the grader's own settings: {allowed_wait(theirs):.0%} here")
+            raise CheckFailure(
+                f"{call} returned {settings!r}: a loop with {step:g} ms of compute per step waited for data "
+                f"{mine:.0%} of the time (at most {THRESHOLD:.0%} passes, {rule}); with {ours!r} it waited "
+                f"{theirs:.0%} on this machine just now")
+        # Within noise of the grader's own settings on this machine, now, passes: a machine where
+        # those barely hide the loading (or cannot: a busy one) must not fail an answer as good.
+        # Loading in the training process itself never passes.
 
+
+def allowed_wait(theirs: float) -> float:
+    """The most a learner's loader may wait, given what the grader's own settings waited just now.
+
+    The threshold, or the grader's wait plus the noise between two runs; on a busy machine (the
+    grader's settings above the threshold) the margin grows by as much as the machine is over,
+    because a busy machine's runs differ more. Continuous in `theirs`: no cliff at the threshold.
+    """
+    return max(THRESHOLD, theirs + NOISE + max(0.0, theirs - THRESHOLD))
 
 if __name__ == "__main__":  # measure_in_fresh_process: python -m course_lib.tooling.checks.ch07 '[case, settings]'
     print(json.dumps(measurements(*json.loads(sys.argv[1]))))
