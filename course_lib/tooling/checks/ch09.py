@@ -23,7 +23,7 @@ __all__: list[str] = []  # the checks register themselves; nothing here is impor
 
 THRESHOLD = 5.0        # the learner's settings must train at least this many times faster than the slow script
 ACCURACY_DROP = 0.02   # and reach the slow script's test accuracy, at most this much lower
-REPEATS = 2            # each script runs this many times, alternately; the best time of each counts
+REPEATS = 3            # each script runs this many times, alternately; the best time of each counts
 MEASURE_LIMIT = 240.0  # seconds for one submission's measurements, torch's import included
 FP16_MAX = 65504.0
 # Judges of several submissions run in threads of one grader: one measurement at a time.
