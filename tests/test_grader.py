@@ -69,9 +69,9 @@ IMPORT = "from course_lib.tooling import check"
 
 
 def grade(course: Path, submissions: Path, out: Path, home: Path, *extra: str,
-          timeout: float = 600) -> subprocess.CompletedProcess:
+          timeout: float = 600, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(course),
-           "COURSE_EXTRA_CHECKS": str(course / "tests" / "fixtures" / "checks_ch99.py")}
+           "COURSE_EXTRA_CHECKS": str(course / "tests" / "fixtures" / "checks_ch99.py"), **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "course_lib.tooling.grader", str(submissions), "--out", str(out),
                            "--cell-timeout", "15", "--total-timeout", "180", "--jobs", "2", *extra],
                           cwd=course, env=env, capture_output=True, text=True, timeout=timeout)
@@ -476,21 +476,43 @@ def real_graded(tmp_path_factory) -> dict:
         for who, folder in (("solution", ROOT / "solutions"), ("exercise", ROOT / "exercises")):
             (tmp / "subs" / who).mkdir(parents=True, exist_ok=True)
             shutil.copy(folder / sol.name, tmp / "subs" / who / sol.name)
-    proc = grade(course, tmp / "subs", tmp / "out", home, "--cell-timeout", "120", timeout=900)
+    # AMP_GRADER_DEBUG: the grader prints each notebook's runner events (one per executed cell) to stderr
+    proc = grade(course, tmp / "subs", tmp / "out", home, "--cell-timeout", "120", timeout=900,
+                 env_extra={"AMP_GRADER_DEBUG": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads((tmp / "out" / "gradebook.json").read_text())
-    return {(r["student"], Path(r["notebook"]).name): [x for x in rows if x["notebook"] == r["notebook"]]
-            for r in rows}
+    graded = {(r["student"], Path(r["notebook"]).name): [x for x in rows if x["notebook"] == r["notebook"]]
+              for r in rows}
+    cells = {}
+    for line in proc.stderr.splitlines():
+        name, _, events = line.partition(" ")
+        if name.endswith(".ipynb") and events.startswith("["):
+            who, notebook = Path(name).parts[-2:]
+            cells[(who, notebook)] = [e["outcome"] for e in json.loads(events) if e.get("event") == "cell"]
+    return {"rows": graded, "cells": cells}
+
+
+def test_every_cell_of_every_solution_and_exercise_runs_without_error_in_the_grader(real_graded):
+    """The solution notebooks are executed here, by the grader, not a second time by nbval (make test):
+    so this is where a solution cell that raises must fail, as nbval would."""
+    for sol in REAL_SOLUTIONS:
+        for who, folder in (("solution", ROOT / "solutions"), ("exercise", ROOT / "exercises")):
+            outcomes = real_graded["cells"].get((who, sol.name))
+            assert outcomes is not None, f"no runner events for {who}/{sol.name}"
+            n_code = sum(1 for c in nbformat.read(folder / sol.name, as_version=4).cells if c.cell_type == "code")
+            bad = [(i + 1, o) for i, o in enumerate(outcomes) if o != "ok"]
+            assert not bad and len(outcomes) == n_code, f"{who}/{sol.name}: cells (number, outcome) {bad}, " \
+                                                         f"{len(outcomes)} of {n_code} code cells ran"
 
 
 @pytest.mark.parametrize("solution", REAL_SOLUTIONS, ids=lambda p: p.stem)
 def test_real_solution_scores_full_marks(real_graded, solution):
-    rows = real_graded[("solution", solution.name)]
+    rows = real_graded["rows"][("solution", solution.name)]
     failed = [(r["exercise"], r["status"], r["message"]) for r in rows if not r["passed"]]
     assert not failed and sum(r["max_points"] for r in rows) > 0
 
 
 @pytest.mark.parametrize("solution", REAL_SOLUTIONS, ids=lambda p: p.stem)
 def test_real_exercise_scores_zero_as_not_attempted(real_graded, solution):
-    rows = real_graded[("exercise", solution.name)]
+    rows = real_graded["rows"][("exercise", solution.name)]
     assert rows and all(r["points"] == 0 and r["status"] == "not attempted" for r in rows), rows
