@@ -19,7 +19,8 @@ from ..grading import Check, CheckFailure, in_fresh_process, register
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
 THRESHOLD = 0.15   # at most this fraction of the loop's time may be spent waiting for data
-NOISE = 0.05       # two runs of the same settings differ by this much on a quiet 2-core machine
+NOISE = 0.08       # the best of two runs of the same settings differ by about this much on 2 cores
+CHANCES = 3        # runs of the learner's settings at most, when the first one waits too long
 STEPS = 20
 MEASURE_LIMIT = 120.0  # seconds for one submission's measurements, torch's import included
 ALLOWED = {"batch_size": "the case's batch size", "num_workers": "an int from 0 to {max_workers}",
@@ -78,12 +79,20 @@ def reference_settings(case: dict) -> dict:
 
 def measurements(case: dict, settings: dict) -> tuple[float, float | None]:
     """The learner's wait fraction, and only when that fails: the grader's own settings measured just
-    after it, and the learner's again (the better of its two runs counts). Returns (mine, theirs)."""
+    after it, and the learner's again, up to CHANCES runs in all until it is within allowed_wait (the
+    best run counts: a 2-core machine's runs of the same settings differ by 10 points now and then).
+    Returns (mine, theirs)."""
     mine = wait_fraction(settings, case["step_ms"])
     if mine <= THRESHOLD:
         return mine, None
-    theirs = wait_fraction(reference_settings(case), case["step_ms"])
-    return min(mine, wait_fraction(settings, case["step_ms"])), theirs
+    theirs = wait_fraction(reference_settings(case), case["step_ms"])  # for the message, and the rule
+    if settings.get("num_workers", 0) == 0:
+        return mine, theirs  # loading in the training process fails however it measures
+    for _ in range(CHANCES - 1):
+        if mine <= allowed_wait(theirs):
+            break
+        mine = min(mine, wait_fraction(settings, case["step_ms"]))
+    return mine, theirs
 
 
 def measure_in_fresh_process(case: dict, settings: dict) -> tuple[float, float | None]:
