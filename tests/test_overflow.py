@@ -33,3 +33,17 @@ def test_format_marks_the_first_inf_and_values_beyond_fp16():
     text = format_magnitudes(trace_magnitudes(growing_mlp(), x, device_type="cpu", dtype=torch.float16))
     assert text.count("<- first inf/NaN") == 1 and all(len(line) <= 100 for line in text.splitlines())
     assert "<- beyond fp16" in format_magnitudes(trace_magnitudes(growing_mlp(), x))
+
+
+def test_chapter_03s_model_overflows_at_its_first_linear_and_every_later_output_is_broken():
+    """Chapter 03, section 10: weights that fit fp16 (< 65504), a first layer whose outputs do not."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    with torch.no_grad():
+        model[0].weight.mul_(1e4)
+    x = torch.randn(4, 8) + 30
+    rows = trace_magnitudes(model, x, device_type="cpu", dtype=torch.float16)
+    assert [r.kind for r in rows] == ["Linear", "LayerNorm", "Linear"] and rows[0].dtype == "float16"
+    assert first_nonfinite(rows) is rows[0] and all(r.nonfinite > 0 for r in rows)
+    assert rows[1].nonfinite == 4 * 8  # a LayerNorm over a row holding an inf: no value of it is finite
+    assert first_nonfinite(trace_magnitudes(model, x, device_type="cpu", dtype=torch.bfloat16)) is None

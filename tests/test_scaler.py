@@ -167,18 +167,6 @@ def test_gradient_sample_collects_activation_and_parameter_gradients():
     assert not model._forward_hooks and not model[0]._forward_hooks
 
 
-def test_find_overflows_points_at_the_layer_that_makes_inf():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
-    with torch.no_grad():
-        model[0].weight.mul_(1e4)  # the weights fit fp16 (< 65504), the layer's outputs do not
-    rows = S.find_overflows(model, torch.randn(4, 8) + 30)
-    assert [r["kind"] for r in rows] == ["Linear", "LayerNorm", "Linear"]
-    assert rows[0]["inf"] > 0 and rows[1]["nan"] > 0 and rows[0]["dtype"] == "float16"
-    assert "Linear" in S.format_overflows(rows)
-    assert all(r["inf"] == 0 for r in S.find_overflows(model, torch.randn(4, 8) + 30, dtype=torch.bfloat16))
-
-
 # --------------------------------------------------------------------------- real fp16 runs and the CLI
 
 def tiny_batches(n=3, seed=0):

@@ -1,4 +1,4 @@
-"""Where a forward pass first overflows: the NaN/inf walkthrough of chapter 09.
+"""Where a forward pass first overflows: chapter 03's collapsing scale, chapter 09's NaN/inf walkthrough.
 
 A loss that turns into inf or NaN under fp16 autocast is almost always an activation that left
 fp16's range (|x| > 65504) somewhere in the forward pass; everything after it only inherits the
@@ -52,8 +52,9 @@ class Magnitude:
 
 def trace_magnitudes(model: nn.Module, *inputs: torch.Tensor, device_type: str | None = None,
                      dtype: torch.dtype | None = None) -> list[Magnitude]:
-    """Chapter 09: run `model(*inputs)` (under autocast if device_type is given) and record, for every
-    leaf module in execution order, its output's dtype, largest finite magnitude and non-finite count."""
+    """Chapters 03 and 09: run `model(*inputs)` (under autocast if device_type is given) and record,
+    for every leaf module in execution order, its output's dtype, largest finite magnitude and
+    non-finite count."""
     rows: list[Magnitude] = []
 
     def hook(name: str):
@@ -78,12 +79,13 @@ def trace_magnitudes(model: nn.Module, *inputs: torch.Tensor, device_type: str |
 
 
 def first_nonfinite(rows: list[Magnitude]) -> Magnitude | None:
-    """Chapter 09: the first layer whose output holds an inf or NaN (None if every output is finite)."""
+    """Chapters 03 and 09: the first layer whose output holds an inf or NaN (None if all are finite)."""
     return next((r for r in rows if r.nonfinite), None)
 
 
 def format_magnitudes(rows: list[Magnitude], limit: float = 65504.0) -> str:
-    """Chapter 09: the trace as a table; marks outputs beyond `limit` (fp16's largest) and the first non-finite."""
+    """Chapters 03 and 09: the trace as a table; marks outputs beyond `limit` (fp16's largest) and the
+    first non-finite one."""
     first = first_nonfinite(rows)
     out = [f"{'layer':<16}{'type':<14}{'dtype':<10}{'max |finite|':>14}{'inf/NaN':>9}"]
     for r in rows:

@@ -34,8 +34,8 @@ from ..models import MLP, SimpleCNN
 from ..reference import record
 
 __all__ = ["f32", "DynamicLossScaler", "torch_trajectory", "simulate", "plot_trajectory",
-           "gradient_sample", "fates", "format_fates", "plot_gradient_histograms", "find_overflows",
-           "format_overflows", "fp16_run", "fp16_dynamics", "describe_dynamics", "plot_dynamics"]
+           "gradient_sample", "fates", "format_fates", "plot_gradient_histograms", "fp16_run", "fp16_dynamics",
+           "describe_dynamics", "plot_dynamics"]
 
 FP16_MAX = 65504.0
 FP16_TINY = 2.0 ** -14        # smallest normal fp16
@@ -267,42 +267,6 @@ def plot_gradient_histograms(samples: dict[str, torch.Tensor], scales: Sequence[
     axes[0][0].legend(loc="upper left", fontsize=7.5)
     fig.tight_layout()
     return fig
-
-
-# --------------------------------------------------------------------------- when the forward overflows
-
-def find_overflows(model: nn.Module, x: torch.Tensor, device_type: str = "cpu",
-                   dtype: torch.dtype = torch.float16) -> list[dict]:
-    """Chapter 03: model(x) under autocast; per leaf module, in order: output dtype, largest finite |value|,
-    and how many outputs are inf or NaN. The first row with infs is where the forward overflowed."""
-    rows: list[dict] = []
-
-    def hook(name: str) -> Callable:
-        def record_row(mod: nn.Module, args: tuple, out: torch.Tensor) -> None:
-            o = out.detach().float()
-            fin = o[torch.isfinite(o)]
-            rows.append({"module": name, "kind": type(mod).__name__, "dtype": str(out.dtype).removeprefix("torch."),
-                         "max_abs": float(fin.abs().max()) if fin.numel() else math.nan,
-                         "inf": int(torch.isinf(o).sum()), "nan": int(torch.isnan(o).sum()), "n": o.numel()})
-        return record_row
-
-    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if not list(m.children())]
-    try:
-        with torch.no_grad(), torch.autocast(device_type, dtype=dtype):
-            model(x)
-    finally:
-        for h in handles:
-            h.remove()
-    return rows
-
-
-def format_overflows(rows: Sequence[dict]) -> str:
-    """Chapter 03: find_overflows() as a table."""
-    out = [f"{'module':<22}{'output':<10}{'largest finite |x|':>20}{'inf':>9}{'NaN':>9}{'of':>9}"]
-    for r in rows:
-        out.append(f"{r['module'] + ' ' + r['kind']:<22}{r['dtype']:<10}{r['max_abs']:>20.4g}{r['inf']:>9}"
-                   f"{r['nan']:>9}{r['n']:>9}")
-    return "\n".join(out)
 
 
 # --------------------------------------------------------------------------- a real fp16 run (GPU reference)
