@@ -74,11 +74,12 @@ class MedianStepMs(Check):
         seconds, calls = case["seconds"], []
 
         def fn() -> None:
+            t0 = time.perf_counter()
             time.sleep(seconds[min(len(calls), len(seconds) - 1)])
-            calls.append(1)
+            calls.append(1000 * (time.perf_counter() - t0))
 
         got = median_step_ms(fn, warmup=case["warmup"], iters=case["iters"])
-        return {"ms": got, "calls": len(calls)}
+        return {"ms": got, "calls": len(calls), "slept_ms": calls}
 
     def describe(self, case: dict) -> str:
         return f"median_step_ms(fn, warmup={case['warmup']}, iters={case['iters']})"
@@ -93,8 +94,14 @@ class MedianStepMs(Check):
             if isinstance(got, bool) or not isinstance(got, (int, float)):
                 raise CheckFailure(f"{call} returned {got!r}; expected a number of milliseconds")
             want = statistics.median(ms[w:])
-            # sleep() overshoots (more on a busy machine), never undershoots: 25% + 2.5 ms above, 10% below
-            if want * 0.9 <= got <= want * 1.25 + 2.5:
+            # sleep() overshoots, by several ms on a busy machine (the grader runs two notebooks at once):
+            # the allowance above is 25% + 2.5 ms over what the timed calls really slept (each counted
+            # at most 5 ms over the asked-for time, so a forged report cannot stretch it), 10% below
+            slept = r.get("slept_ms")
+            real = statistics.median(min(max(a, b), b + 5.0) for a, b in zip(slept[w:], ms[w:])) \
+                if isinstance(slept, list) and len(slept) == w + n and all(isinstance(a, float) for a in slept) \
+                else want
+            if want * 0.9 <= got <= real * 1.25 + 2.5:
                 continue
             # say which familiar mistake the answer is closest to, if it is close to one
             mistakes = {"that is the mean, which the one slow call pulls up; return the median":
