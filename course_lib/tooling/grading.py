@@ -1,41 +1,53 @@
 """Checks: one definition of each exercise check, judged the same way inline and by the batch grader.
 
-A check is a class with three parts, and where each part runs is the point:
+A check is a class with these parts, and where each part runs is the point:
 
     cases(rng)             the grader's process: fresh random inputs, as plain data
-    run(case, *objects)    the learner's kernel: calls the learner's function(s) on one case and
-                           returns plain data (numbers, strings, lists, dicts; see to_plain)
+    public(case)           what the learner's kernel is shown of a case (default: all of it)
+    run(case, *objects)    the learner's kernel: the task's probe (course_lib/tooling/probes/chNN.py)
+                           calls the learner's function(s) on one case and returns plain data
+                           (numbers, strings, lists, dicts; see to_plain)
+    host(case, request)    the grader's process: answers a probe's `probes.ask` while it runs
+                           (e.g. sleeps a time only the grader knows)
     judge(cases, results)  the grader's process: computes the reference answers and compares;
                            raises CheckFailure with a message for the learner
 
-Inline, `check("01.decode_fp16", decode_fp16)` runs all three in the learner's notebook, passing
+Inline, `check("01.decode_fp16", decode_fp16)` runs them all in the learner's notebook, passing
 the results through the same JSON boundary, and prints one line. The batch grader
-(course_lib.tooling.grader) runs `cases` and `judge` in its own process and only `run`, through
-`serve`, in the submission's sandboxed kernel: nothing a kernel prints, returns or writes can
-claim a pass, only values that the grader compares with answers it computed itself.
+(course_lib.tooling.grader) runs `cases`, `host` and `judge` in its own process and only the
+probe, through `serve`, in the submission's sandboxed kernel, which holds no check module:
+nothing a kernel prints, returns or writes can claim a pass, only values that the grader compares
+with answers it computed itself.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import numbers
 import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator
+
+from . import probes
 
 __all__ = ["Check", "CheckFailure", "in_fresh_process", "register", "check", "run_check", "get_check",
-           "checks_for", "to_plain",
-           "respond", "judge_response", "prepare", "serve", "STATUSES"]
+           "checks_for", "to_plain", "run_task", "expect_number", "expect_numbers", "expect_list", "expect_dict",
+           "respond", "judge_response", "serve", "STATUSES", "ANSWER_FD_ENV"]
 
 NAME_RE = re.compile(r"^(\d{2})\.[A-Za-z0-9_]+$")
 STUB = 'raise NotImplementedError("Exercise: write your solution here")'
 MAX_ITEMS = 2_000_000  # numbers in one check's results: more is a runaway, not an answer
+# The batch grader hands the kernel one end of a socket it owns; this variable names its fd.
+ANSWER_FD_ENV = "AMP_ANSWER_FD"
 # What a task's status column can say, in words a student understands.
 STATUSES = ("passed", "failed", "not attempted", "crashed after", "timed out", "not graded", "duplicate")
 
@@ -66,9 +78,18 @@ class Check:
     def cases(self, rng: random.Random) -> list:
         raise NotImplementedError
 
+    def public(self, case: Any) -> Any:
+        """What the learner's kernel is shown of one case (the grader keeps the rest). Default: all."""
+        return case
+
     def run(self, case: Any, *objects: Any) -> Any:
-        """Kernel side. By default: call the learner's (first) object on the case."""
-        return objects[0](case)
+        """Kernel side: the task's probe in course_lib/tooling/probes/chNN.py, on the public case.
+        Course checks do not override this (a test keeps it so): the kernel has no check modules."""
+        return run_task(self.name, case, objects)
+
+    def host(self, case: Any, request: Any) -> Any:
+        """Grader side: answer a probe's `probes.ask(request)` about `case` (the full case)."""
+        raise CheckFailure(f"check {self.name} answers no requests from its probe (asked {_short(request, 60)})")
 
     def judge(self, cases: list, results: list) -> None:
         raise NotImplementedError
@@ -141,6 +162,62 @@ def checks_for(chapter: str) -> list[Check]:
     if errors:  # a half-loaded chapter would grade with missing checks: say so instead
         raise RuntimeError(f"checks for chapter {chapter} failed to load: {errors}")
     return [c for c in _REGISTRY.values() if c.name.startswith(chapter + ".")]
+
+
+# --------------------------------------------------------------------------- answers of the right shape
+
+def _kind(value: Any) -> str:
+    """How a plain value is named in a message: 'a list of 3', 'the number 2.5', 'None'."""
+    if value is None:
+        return "None"
+    if isinstance(value, bool):
+        return f"the bool {value}"
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        return f"the string {_short(value, 40)}"
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    if isinstance(value, dict):
+        return f"a dict with keys {sorted(value)[:8]}"
+    return f"a {type(value).__name__}"
+
+
+def expect_number(value: Any, where: str, *, finite: bool = True, integer: bool = False) -> float:
+    """`value` as a number, or a CheckFailure that says what was expected (bools are not numbers)."""
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok:
+        raise CheckFailure(f"{where}: expected {'an integer' if integer else 'a number'}, got {_kind(value)}")
+    if finite and not math.isfinite(value):
+        raise CheckFailure(f"{where}: expected a finite number, got {value!r}")
+    return value
+
+
+def expect_list(value: Any, where: str, length: int | None = None, *, at_least: int = 0) -> list:
+    """`value` as a list (of `length` items, or at least `at_least`), or a CheckFailure saying so."""
+    if not isinstance(value, list):
+        raise CheckFailure(f"{where}: expected a list, got {_kind(value)}")
+    if length is not None and len(value) != length:
+        raise CheckFailure(f"{where}: expected a list of {length}, got a list of {len(value)}")
+    if len(value) < at_least:
+        raise CheckFailure(f"{where}: expected at least {at_least} item(s), got {len(value)}")
+    return value
+
+
+def expect_dict(value: Any, where: str, keys: tuple[str, ...] | list[str]) -> dict:
+    """`value` as a dict that has every key in `keys`, or a CheckFailure naming the missing ones."""
+    if not isinstance(value, dict):
+        raise CheckFailure(f"{where}: expected a dict with keys {list(keys)}, got {_kind(value)}")
+    missing = [k for k in keys if k not in value]
+    if missing:
+        raise CheckFailure(f"{where}: the answer lacks {missing} (expected keys {list(keys)})")
+    return value
+
+
+def expect_numbers(value: Any, where: str, length: int | None = None, *, finite: bool = True) -> list[float]:
+    """A flat list of (finite) numbers, checked item by item."""
+    items = expect_list(value, where, length)
+    return [expect_number(v, f"{where}, item {i}", finite=finite) for i, v in enumerate(items)]
 
 
 # --------------------------------------------------------------------------- plain data
@@ -247,9 +324,17 @@ class _CheckTimeout(BaseException):
     """BaseException, so that a learner's `except Exception:` cannot swallow the time limit."""
 
 
-def respond(check: Check, cases: list, namespace: dict) -> dict:
+def run_task(name: str, case: Any, objects: tuple) -> Any:
+    """Kernel side: run task `name` on one case: its probe if it has one, else the learner's first object."""
+    probe = probes.find(name)
+    return probe(case, *objects) if probe is not None else objects[0](case)
+
+
+def respond(check: Any, cases: list, namespace: dict, host: Callable[[int, Any], Any] | None = None) -> dict:
     """Kernel side: run the learner's objects on every case; a JSON-ready response, never raises.
 
+    `check` is a Check, or in the grader's kernel its public part (name, args, forbidden, run).
+    `host(i, request)` answers the probe's `probes.ask` while case i runs.
     {"results": [...]} or {"missing": name} / {"not_attempted": true} / {"raised": ..., "at": i} /
     {"not_plain": ..., "at": i} / {"forbidden": "torch.tensor"}, each with the results so far.
     """
@@ -258,10 +343,11 @@ def respond(check: Check, cases: list, namespace: dict) -> dict:
         return {"missing": missing[0]}
     objects = [namespace[a] for a in check.args]
     results: list = []
-    with _forbidden_probe(check.forbidden) as hits:
+    with _forbidden_probe(tuple(check.forbidden)) as hits:
         for i, case in enumerate(cases):
             try:
-                value = check.run(case, *objects)
+                with probes.answering(None if host is None else (lambda request, i=i: host(i, request))):
+                    value = check.run(case, *objects)
             except NotImplementedError as e:
                 if not str(e) or str(e).startswith("Exercise"):  # only our stub means "untouched"
                     return {"not_attempted": True}
@@ -281,39 +367,66 @@ def respond(check: Check, cases: list, namespace: dict) -> dict:
     return {"results": results}
 
 
-def prepare(chapter: str) -> None:
-    """Kernel side: load a chapter's checks before any task's clock starts."""
-    checks_for(chapter)
+class _Channel:
+    """The kernel's end of the socket the grader created: one JSON line each way per message."""
+
+    def __init__(self) -> None:
+        fd = int(os.environ[ANSWER_FD_ENV])
+        self.sock = socket.socket(fileno=os.dup(fd))
+        self.reader = self.sock.makefile("rb")
+
+    def send(self, message: dict) -> None:
+        self.sock.sendall(json.dumps(message).encode() + b"\n")
+
+    def receive(self) -> dict:
+        line = self.reader.readline()
+        if not line:
+            raise ConnectionError("the grader closed the channel")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.reader.close()
+        self.sock.close()
 
 
-def serve(requests_path: str, index: int, responses_path: str, namespace: dict) -> None:
-    """Kernel side of the batch grader: answer request `index`, append one JSON line, never raise.
+def serve(request: dict, namespace: dict) -> None:
+    """Kernel side of the batch grader: answer one task on the grader's channel, never raise.
 
-    The runner stops a task that runs past its time limit with SIGINT; while a task runs, SIGINT
+    `request` is what the grader sends after the notebook's cells have run: the task's public
+    part (name, args, forbidden), the public cases and a nonce that the one answer must carry.
+    The grader stops a task that runs past its time limit with SIGINT; while a task runs, SIGINT
     raises our own exception, so a timeout is told apart from a KeyboardInterrupt the learner raises.
     """
     def on_interrupt(signum: int, frame: Any) -> None:
         raise _CheckTimeout
 
-    request: dict = {"id": None}
+    nonce = request.get("nonce")
+    channel = _Channel()
+
+    def host(i: int, question: Any) -> Any:
+        channel.send({"nonce": nonce, "ask": question, "case": i})
+        reply = channel.receive()
+        if reply.get("nonce") != nonce or "reply" not in reply:
+            raise RuntimeError(f"the grader could not answer: {reply.get('error', 'no reply')}")
+        return reply["reply"]
+
     old = signal.signal(signal.SIGINT, on_interrupt)
     try:
-        with open(requests_path) as f:
-            request = json.load(f)[index]
-        response = respond(get_check(request["name"]), request["cases"], namespace)
+        name = str(request["name"])
+        task = SimpleNamespace(name=name, args=tuple(request["args"]), forbidden=tuple(request["forbidden"]),
+                               run=lambda case, *objects: run_task(name, case, objects))
+        probes.find(name)  # a probe module that does not import is the check's fault, said as such below
+        response = respond(task, request["cases"], namespace, host)
     except _CheckTimeout:
         response = {"timed_out": True}
     except BaseException as e:  # noqa: BLE001
         response = {"raised": f"the check could not run: {_brief(e)}"}
     finally:
         signal.signal(signal.SIGINT, old)
-    line = json.dumps({"id": request.get("id"), **response}) + "\n"
-    fd = os.open(responses_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line.encode())
-        os.fsync(fd)
+        channel.send({"nonce": nonce, "response": response})
     finally:
-        os.close(fd)
+        channel.close()
 
 
 # --------------------------------------------------------------------------- the grader side
@@ -358,6 +471,7 @@ def run_check(name: str, *objects: Any, rng: random.Random | None = None) -> tup
     if len(objects) != len(c.args):
         return "failed", f"check({name!r}, ...) takes {len(c.args)} object(s): {', '.join(c.args)}", c
     cases = c.cases(rng or random.Random(int.from_bytes(os.urandom(8), "little")))
+    public = [c.public(case) for case in cases]
     alarm = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
     if alarm:
         def on_alarm(signum: int, frame: Any) -> None:
@@ -365,7 +479,9 @@ def run_check(name: str, *objects: Any, rng: random.Random | None = None) -> tup
         old = signal.signal(signal.SIGALRM, on_alarm)
         signal.setitimer(signal.ITIMER_REAL, c.time_limit)
     try:
-        response = respond(c, cases, dict(zip(c.args, objects)))
+        def host(i: int, request: Any) -> Any:  # across JSON both ways, as over the grader's channel
+            return json.loads(json.dumps(c.host(cases[i], json.loads(json.dumps(request)))))
+        response = respond(c, public, dict(zip(c.args, objects)), host)
         if alarm:
             signal.setitimer(signal.ITIMER_REAL, 0)
     except _CheckTimeout:
