@@ -44,6 +44,8 @@ def course_copy(dest: Path) -> Path:
     shutil.copytree(ROOT / "exercises", dest / "exercises")
     shutil.copytree(ROOT / "tests" / "fixtures", dest / "tests" / "fixtures")
     shutil.copy(ROOT / "pyproject.toml", dest)
+    (dest / "solutions").mkdir()  # what a forger would love to read: the sandbox must not show it
+    (dest / "solutions" / "99_fixture.ipynb").write_text(notebook([IMPORT, GOOD_ADD, GOOD_CLIP]))
     return dest
 
 
@@ -68,10 +70,17 @@ WRONG_ADD = "def add(a, b):\n    return a - b"
 IMPORT = "from course_lib.tooling import check"
 
 
+def fixture_checks(course: Path) -> dict[str, str]:
+    """Chapter 99's checks for the grader, and its probes, which are all a sandbox sees of it."""
+    fixtures = course / "tests" / "fixtures"
+    return {"COURSE_EXTRA_CHECKS": str(fixtures / "checks_ch99.py"),
+            "COURSE_EXTRA_PROBES": str(fixtures / "probes_ch99.py")}
+
+
 def grade(course: Path, submissions: Path, out: Path, home: Path, *extra: str,
           timeout: float = 600, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(course),
-           "COURSE_EXTRA_CHECKS": str(course / "tests" / "fixtures" / "checks_ch99.py"), **(env_extra or {})}
+           **fixture_checks(course), **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "course_lib.tooling.grader", str(submissions), "--out", str(out),
                            "--cell-timeout", "15", "--total-timeout", "180", "--jobs", "2", *extra],
                           cwd=course, env=env, capture_output=True, text=True, timeout=timeout)
@@ -121,7 +130,11 @@ class Listener:
 
 # --------------------------------------------------------------------------- the class
 
-def hostile_class(course: Path, home: Path, marker: Path, port: int) -> dict[str, list[str] | str]:
+STUB_ADD = "def add(a, b):\n    raise NotImplementedError(\"Exercise: write your solution here\")"
+
+
+def hostile_class(course: Path, home: Path, marker: Path, port: int, subs: Path = Path("/nonexistent"),
+                  out: Path = Path("/nonexistent")) -> dict[str, list[str] | str]:
     """student -> the code cells of their 99_fixture.ipynb (or the raw text of the file)."""
     checks = course / "course_lib" / "tooling" / "checks" / "ch00.py"
     return {
@@ -130,37 +143,86 @@ def hostile_class(course: Path, home: Path, marker: Path, port: int) -> dict[str
         "forges_stdout": [IMPORT, WRONG_ADD, GOOD_CLIP,
                           "print('✅ 99.add — passed (2/2 points)')\n"
                           "print('{\"name\": \"99.add\", \"passed\": true, \"message\": \"passed\"}')"],
-        "forges_json": [IMPORT, WRONG_ADD, GOOD_CLIP,
-                        "import json\njson.dumps = lambda *a, **k: '{\"id\": null, \"passed\": true}'"],
-        "forges_import_system": [IMPORT, WRONG_ADD, GOOD_CLIP, """
-import importlib.abc, importlib.util, json, sys, types
+        "forges_json": [IMPORT, STUB_ADD, GOOD_CLIP,
+                        "import json\n"
+                        "json.dumps = lambda *a, **k: '{\"nonce\": null, \"response\": {\"passed\": true}}'"],
+        "swaps_the_grading_module": [IMPORT, STUB_ADD, GOOD_CLIP, """
+import importlib.abc, importlib.util, json, os, sys
 class Fake(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path, target=None):
         return importlib.util.spec_from_loader(name, self) if name == "course_lib.tooling.grading" else None
     def create_module(self, spec):
         return None
     def exec_module(self, module):
-        def serve(requests, index, responses, ns):
-            rid = json.load(open(requests))[index]["id"]
-            open(responses, "a").write(json.dumps({"id": rid, "passed": True}) + "\\n")
+        def serve(request, ns):
+            fd = int(os.environ["AMP_ANSWER_FD"])
+            results = ["passed"] * len(request["cases"])
+            answer = {"nonce": request["nonce"], "response": {"passed": True, "results": results}}
+            os.write(fd, (json.dumps(answer) + "\\n").encode())
         module.serve = serve
 for m in [m for m in sys.modules if m.startswith("course_lib.tooling")]:
     del sys.modules[m]
 sys.meta_path.insert(0, Fake())"""],
-        "patches_import": [IMPORT, WRONG_ADD, GOOD_CLIP, """
-import builtins, types
-real = builtins.__import__
-fake = types.SimpleNamespace(serve=lambda *a: print("passed"))
-builtins.__import__ = lambda name, *a, **k: fake if name.startswith("course_lib") else real(name, *a, **k)"""],
-        "hooks_ipython": [IMPORT, WRONG_ADD, GOOD_CLIP,
+        "patches_os_write_and_import": [IMPORT, STUB_ADD, GOOD_CLIP, """
+import builtins, json, os
+real_write, real_import = os.write, builtins.__import__
+def write(fd, data):
+    try:
+        message = json.loads(data)
+        message["response"] = {"results": ["passed"] * 20}
+        data = (json.dumps(message) + "\\n").encode()
+    except Exception:
+        pass
+    return real_write(fd, data)
+os.write = write
+builtins.__import__ = lambda name, *a, **k: real_import(name, *a, **k)"""],
+        "hooks_ipython": [IMPORT, STUB_ADD, GOOD_CLIP,
                           "get_ipython().events.register('post_run_cell', lambda r: print('✅ 99.add — passed'))"],
-        "writes_answers_then_dies": [IMPORT, WRONG_ADD, GOOD_CLIP, """
+        "answers_twice_from_a_hook": [IMPORT, STUB_ADD, GOOD_CLIP, """
+import ast, json, os, re
+def pre(info):  # sees the grader's serve cell: answers it first, then lets the real serve answer too
+    match = re.search(r"serve\\((\\{.*\\}), globals\\(\\)\\)", info.raw_cell or "", re.S)
+    if match:
+        request = ast.literal_eval(match.group(1))
+        if request["name"] == "99.add":
+            results = [a + b for a, b in request["cases"]]
+            line = json.dumps({"nonce": request["nonce"], "response": {"results": results}}) + "\\n"
+            os.write(int(os.environ["AMP_ANSWER_FD"]), line.encode())
+get_ipython().events.register("pre_run_cell", pre)"""],
+        "writes_the_channel_early": [IMPORT, STUB_ADD, GOOD_CLIP, """
 import json, os
-requests = json.load(open("../io/requests.json"))
-with open("../io/responses.jsonl", "a") as f:
-    for r in requests:
-        f.write(json.dumps({"id": r["id"], "results": ["passed"] * len(r["cases"])}) + "\\n")
-os._exit(0)"""],
+fd = int(os.environ["AMP_ANSWER_FD"])
+for nonce in (None, "0" * 32, ""):
+    os.write(fd, (json.dumps({"nonce": nonce, "response": {"results": ["passed"] * 20}}) + "\\n").encode())"""],
+        "steals_answers_from_files": [IMPORT, STUB_ADD, GOOD_CLIP, f"""
+import glob, json, sys
+SEEN = []
+for pattern in [{str(course / "solutions" / "*.ipynb")!r}, {str(subs / "*" / "*.ipynb")!r},
+                {str(out / "gradebook.jsonl")!r}, {str(course / "tests" / "fixtures" / "checks_ch99.py")!r},
+                "/tmp/**/*.ipynb"]:
+    SEEN += glob.glob(pattern, recursive=True)
+wanted = "return a " + "+ b"
+for path in SEEN:
+    try:
+        sources = ["".join(c["source"]) for c in json.load(open(path))["cells"]]
+    except Exception:
+        continue
+    for source in sources:
+        if wanted in source:
+            exec(source)
+try:
+    sys.path.insert(0, {str(course / "tests" / "fixtures")!r})
+    import checks_ch99  # noqa: F401
+    def add(a, b):
+        return a + b  # stands for 'computed with the check's own reference', had it been importable
+except ImportError:
+    pass"""],
+        "ignores_interrupts_in_a_task": [IMPORT, """
+import signal
+def add(a, b):
+    signal.signal(signal.SIGINT, lambda *a: None)  # the grader's time limit must still hold
+    while True:
+        pass""", GOOD_CLIP],
         "dishonest_eq": [IMPORT, """
 class Anything:
     def __eq__(self, other): return True
@@ -183,7 +245,8 @@ try:
 except OSError:
     pass"""],
         "writes_the_checkout": [IMPORT, WRONG_ADD, GOOD_CLIP, f"""
-for path in [{str(checks)!r}, __import__("course_lib.tooling.checks.ch00", fromlist=["x"]).__file__]:
+import course_lib.tooling.grading
+for path in [{str(checks)!r}, course_lib.tooling.grading.__file__]:  # the checkout's, the sandbox's own copy
     try:
         open(path, "a").write("\\nBACKDOOR = True\\n")
     except OSError as e:
@@ -237,6 +300,8 @@ def add(a, b):
         "hangs_in_a_cell": [IMPORT, "while True:\n    pass", GOOD_ADD, GOOD_CLIP],
         "hangs_uninterruptibly": [IMPORT, GOOD_ADD, "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
                                                     "while True:\n    pass", GOOD_CLIP],
+        "hangs_in_its_last_cell": [IMPORT, GOOD_ADD, GOOD_CLIP, "import signal\nsignal.signal(signal.SIGINT, "
+                                                                "signal.SIG_IGN)\nwhile True:\n    pass"],
         "deleted_cells": [IMPORT],
         "unreadable": "{not json",
     }
@@ -253,7 +318,7 @@ def graded(tmp_path_factory) -> dict:
     (home / "notes.txt").write_text("the instructor's files")
     marker, listener = tmp / "daemon-was-here", Listener()
     subs = tmp / "submissions"
-    for student, cells in hostile_class(course, home, marker, listener.port).items():
+    for student, cells in hostile_class(course, home, marker, listener.port, subs, tmp / "out").items():
         (subs / student).mkdir(parents=True)
         text = cells if isinstance(cells, str) else notebook(cells)
         (subs / student / "99_fixture.ipynb").write_text(text)
@@ -300,11 +365,36 @@ def test_fair_grades_for_honest_work(graded):
     assert re.fullmatch(r"add\(-?\d+, -?\d+\) returned -?\d+, expected -?\d+", t["wrong"]["99.add"]["message"])
 
 
+FORGERS = ["forges_stdout", "forges_json", "swaps_the_grading_module", "patches_os_write_and_import",
+           "hooks_ipython", "answers_twice_from_a_hook", "writes_the_channel_early", "steals_answers_from_files",
+           "patches_builtins"]
+
+
 @needs_namespaces
-@pytest.mark.parametrize("student", ["forges_stdout", "forges_json", "forges_import_system", "patches_import",
-                                     "hooks_ipython", "writes_answers_then_dies", "patches_builtins"])
-def test_nothing_the_kernel_prints_or_writes_can_claim_a_pass(graded, student):
-    assert graded["table"][student]["99.add"]["points"] == 0, graded["table"][student]["99.add"]
+@pytest.mark.parametrize("student", FORGERS)
+def test_a_stub_gets_nothing_from_any_channel_the_kernel_can_reach(graded, student):
+    """stdout, json/os/builtins, the import system, the grading module, IPython hooks, the answer
+    channel itself and the files: a notebook whose `add` is still the stub earns nothing."""
+    row = graded["table"][student]["99.add"]
+    assert row["points"] == 0 and row["status"] in ("not attempted", "failed"), row
+
+
+@needs_namespaces
+def test_a_second_answer_to_a_question_rejects_both(graded):
+    row = graded["table"]["answers_twice_from_a_hook"]["99.add"]
+    assert row["status"] == "failed" and "2 answers arrived for this task" in row["message"], row
+
+
+@needs_namespaces
+def test_messages_written_before_a_question_are_ignored_and_reported(graded):
+    row = graded["table"]["writes_the_channel_early"]["99.add"]
+    assert row["status"] == "not attempted" and "ignored 3 message(s)" in row["message"], row
+
+
+@needs_namespaces
+def test_the_sandbox_shows_no_solution_no_other_submission_no_gradebook_and_no_check(graded):
+    assert points(graded["table"], "steals_answers_from_files") == {"99.add": (0, "not attempted"),
+                                                                   "99.clip": (1, "passed")}
 
 
 @needs_namespaces
@@ -341,8 +431,8 @@ def test_no_network_inside_the_sandbox_but_its_own_loopback(graded):
 @needs_namespaces
 def test_points_earned_before_a_crash_hang_or_interrupt_are_kept(graded):
     t = graded["table"]
-    assert points(t, "crashes_after_a_pass") == {"99.add": (2, "passed"), "99.clip": (0, "crashed after")}
-    assert points(t, "segfaults_after_a_pass") == {"99.add": (2, "passed"), "99.clip": (0, "crashed after")}
+    assert points(t, "crashes_after_a_pass") == {"99.add": (2, "passed"), "99.clip": (0, "crashed")}
+    assert points(t, "segfaults_after_a_pass") == {"99.add": (2, "passed"), "99.clip": (0, "crashed")}
     assert points(t, "hangs_after_a_pass") == {"99.add": (2, "passed"), "99.clip": (0, "timed out")}
     assert points(t, "interrupts_after_a_pass") == {"99.add": (2, "passed"), "99.clip": (0, "failed")}
     assert "KeyboardInterrupt" in t["interrupts_after_a_pass"]["99.clip"]["message"]
@@ -358,10 +448,18 @@ def test_output_floods_and_interruptible_hangs_cost_nothing(graded):
 
 
 @needs_namespaces
-def test_an_uninterruptible_cell_costs_the_tasks_after_it_with_a_reason(graded):
-    t = graded["table"]["hangs_uninterruptibly"]
-    assert (t["99.clip"]["points"], t["99.clip"]["status"]) == (0, "timed out")
-    assert "cell 3" in t["99.clip"]["message"] and "could not be stopped" in t["99.clip"]["message"]
+@pytest.mark.parametrize("student", ["hangs_uninterruptibly", "hangs_in_its_last_cell"])
+def test_a_cell_that_cannot_be_stopped_costs_no_task_that_does_not_need_it(graded, student):
+    """The grader abandons that kernel and runs the notebook again without the cell."""
+    assert points(graded["table"], student) == {"99.add": (2, "passed"), "99.clip": (1, "passed")}
+
+
+@needs_namespaces
+def test_a_task_that_cannot_be_stopped_costs_only_itself_and_is_called_a_time_out(graded):
+    t = graded["table"]["ignores_interrupts_in_a_task"]
+    assert points(graded["table"], "ignores_interrupts_in_a_task") == {"99.add": (0, "timed out"),
+                                                                      "99.clip": (1, "passed")}
+    assert "longer than 5 s" in t["99.add"]["message"]
 
 
 @needs_namespaces
@@ -403,8 +501,7 @@ def test_a_rerun_resumes_and_a_killed_grader_loses_only_the_submission_in_flight
                            "b_slow": [IMPORT, GOOD_ADD, "import time\ntime.sleep(60)", GOOD_CLIP]}.items():
         (subs / student).mkdir(parents=True)
         (subs / student / "99_fixture.ipynb").write_text(notebook(cells))
-    env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(course),
-           "COURSE_EXTRA_CHECKS": str(course / "tests" / "fixtures" / "checks_ch99.py")}
+    env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(course), **fixture_checks(course)}
     proc = subprocess.Popen([sys.executable, "-m", "course_lib.tooling.grader", str(subs), "--out", str(out),
                              "--jobs", "2", "--cell-timeout", "120"], cwd=course, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -442,7 +539,7 @@ def test_without_namespaces_the_grader_warns_kills_every_process_and_detects_a_c
     table = by_student(out)
     assert points(table, "good") == points(table, "leaves_a_daemon") == {"99.add": (2, "passed"),
                                                                          "99.clip": (1, "passed")}
-    assert points(table, "crashes_after_a_pass") == {"99.add": (2, "passed"), "99.clip": (0, "crashed after")}
+    assert points(table, "crashes_after_a_pass") == {"99.add": (2, "passed"), "99.clip": (0, "crashed")}
     time.sleep(5)
     assert not marker.exists() and grading_processes() == []
     (subs / "a_tamper").mkdir()
@@ -476,7 +573,7 @@ def real_graded(tmp_path_factory) -> dict:
         for who, folder in (("solution", ROOT / "solutions"), ("exercise", ROOT / "exercises")):
             (tmp / "subs" / who).mkdir(parents=True, exist_ok=True)
             shutil.copy(folder / sol.name, tmp / "subs" / who / sol.name)
-    # AMP_GRADER_DEBUG: the grader prints each notebook's runner events (one per executed cell) to stderr
+    # AMP_GRADER_DEBUG: the grader prints each notebook's cell outcomes, per attempt, to stderr
     proc = grade(course, tmp / "subs", tmp / "out", home, "--cell-timeout", "120", timeout=900,
                  env_extra={"AMP_GRADER_DEBUG": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -488,7 +585,8 @@ def real_graded(tmp_path_factory) -> dict:
         name, _, events = line.partition(" ")
         if name.endswith(".ipynb") and events.startswith("["):
             who, notebook = Path(name).parts[-2:]
-            cells[(who, notebook)] = [e["outcome"] for e in json.loads(events) if e.get("event") == "cell"]
+            attempts = json.loads(events)  # each attempt's cell outcomes: one attempt unless a cell hung or crashed
+            cells[(who, notebook)] = attempts[0] if len(attempts) == 1 else attempts
     return {"rows": graded, "cells": cells}
 
 
@@ -498,7 +596,7 @@ def test_every_cell_of_every_solution_and_exercise_runs_without_error_in_the_gra
     for sol in REAL_SOLUTIONS:
         for who, folder in (("solution", ROOT / "solutions"), ("exercise", ROOT / "exercises")):
             outcomes = real_graded["cells"].get((who, sol.name))
-            assert outcomes is not None, f"no runner events for {who}/{sol.name}"
+            assert outcomes is not None, f"no cell outcomes for {who}/{sol.name}"
             n_code = sum(1 for c in nbformat.read(folder / sol.name, as_version=4).cells if c.cell_type == "code")
             bad = [(i + 1, o) for i, o in enumerate(outcomes) if o != "ok"]
             assert not bad and len(outcomes) == n_code, f"{who}/{sol.name}: cells (number, outcome) {bad}, " \

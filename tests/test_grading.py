@@ -188,3 +188,47 @@ def test_check_modules_import_cleanly():
     grading._load()  # every chapter
     assert checks.errors == {}
     assert {c.name.split(".")[0] for c in grading._REGISTRY.values()} >= {"00", "01", "02"}
+
+
+def test_no_course_check_runs_code_of_its_own_in_the_kernel():
+    """The grader's sandbox holds no check module: a course check's kernel side is its probe alone."""
+    from course_lib.tooling import checks
+    checks.load()
+    own = [c.name for c in grading._REGISTRY.values()
+           if type(c).__module__.startswith("course_lib.tooling.checks") and type(c).run is not Check.run]
+    assert not own, f"these checks override run(); move it to course_lib/tooling/probes/chNN.py: {own}"
+
+
+class Secret(Check):
+    """A check whose probe asks the grader: the kernel sees `public`, the host sees the whole case."""
+    name, args, points = "98.secret", ("f",), 1
+
+    def cases(self, rng: random.Random) -> list:
+        return [{"shown": 3, "hidden": 7}]
+
+    def public(self, case: dict) -> dict:
+        return {"shown": case["shown"]}
+
+    def run(self, case, f):  # stands for a probe in probes/ch98.py
+        from course_lib.tooling import probes
+        return [case, f(probes.ask({"want": "hidden"}))]
+
+    def host(self, case: dict, request: dict) -> int:
+        case.setdefault("asked", []).append(request)
+        return case["hidden"]
+
+    def judge(self, cases, results):
+        (case,), ((seen, got),) = cases, results
+        if seen != {"shown": 3} or got != 14 or case["asked"] != [{"want": "hidden"}]:
+            raise CheckFailure(f"saw {seen}, returned {got}")
+
+
+def test_the_kernel_sees_the_public_case_and_the_host_answers_with_the_full_one():
+    status, message, _ = grading.run_check("98.secret", lambda x: 2 * x) if register(Secret) else (None, None, None)
+    assert (status, message) == ("passed", "passed")
+
+
+def test_asking_the_host_outside_a_task_is_an_error():
+    from course_lib.tooling import probes
+    with pytest.raises(RuntimeError, match="only while a check runs"):
+        probes.ask({"anything": 1})

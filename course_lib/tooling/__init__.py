@@ -6,11 +6,12 @@ A learner meets exactly one name from here, in the exercise notebooks:
     check("00.choose_precision", choose_precision)
 
 Everything else runs from the command line (the Makefile wraps each):
-  grading    how a check is written (cases / run / judge), the inline check()
-  checks/    one module of checks per chapter (ch00.py, ch01.py, ...)
+  grading    how a check is written (cases / public / host / judge), the inline check()
+  checks/    one module of checks per chapter (ch00.py, ch01.py, ...): inputs and right answers
+  probes/    the kernel side of each task (probes/ch00.py, ...): all a graded kernel sees of a check
   grader     the batch grader: a folder of submissions in, a gradebook out (make grade)
-  sandbox    where a submission runs: namespaces, or a session with limits
-  runner     what runs inside the sandbox: the notebook, then the learner's side of each check
+  runner     one submission's run: its kernel, its cells, then one task at a time
+  sandbox    where a kernel runs: namespaces holding only the learner library, or a session
   exercises  exercises/ generated from solutions/ (make exercises)
   colab      stamps the Colab badge and setup cell into every notebook (make stamp)
   nbtools    strips outputs, refreshes the outputs nbval compares

@@ -35,14 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import sandbox
-from .grading import Check, checks_for, judge_response
-from .runner import code_cells
+from .grading import Check, checks_for
+from .runner import Attempt, Faults, code_cells, run_submission
 
 __all__ = ["grade_folder", "find_submissions", "main"]
 
 ROOT = Path(__file__).resolve().parents[2]
 CSV_FIELDS = ("student", "notebook", "exercise", "points", "max_points", "passed", "status", "message")
-MAX_RESPONSE_LINE = 64 * 2**20  # bytes: the largest answer a kernel may send for one task
 
 
 @dataclass(frozen=True)
@@ -135,78 +134,18 @@ class Gradebook:
         os.replace(tmp, self.out_dir / "gradebook.json")
 
 
-def _course_digest() -> str:
-    """A hash of what a submission must never change: the library, the shipped data, the config."""
+def _course_digest(library: Path | None = None) -> str:
+    """A hash of what a submission must never change: the library, the shipped data, the config,
+    and the learner library that every sandbox of this run shares."""
     h = hashlib.sha256()
-    files = sorted([*(ROOT / "course_lib").rglob("*.py"), *(ROOT / "data").glob("*.npz"), ROOT / "pyproject.toml"])
-    for p in files:
-        h.update(p.relative_to(ROOT).as_posix().encode())
-        h.update(p.read_bytes())
+    for top in [ROOT] + ([Path(library)] if library else []):
+        files = sorted([*(top / "course_lib").rglob("*.py"), *(top / "data").glob("*.npz"),
+                        *(top / "extra_probes").glob("*.py"), top / "pyproject.toml"])
+        for p in files:
+            if p.exists():
+                h.update(p.relative_to(top).as_posix().encode())
+                h.update(p.read_bytes())
     return h.hexdigest()
-
-
-class _Responses:
-    """Reads whole lines appended to responses.jsonl as they arrive; ignores what is not valid JSON."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.offset, self.buffer = path, 0, b""
-
-    def new(self) -> list[dict]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                chunk = f.read(MAX_RESPONSE_LINE + 1)
-        except OSError:
-            return []
-        self.offset += len(chunk)
-        *lines, self.buffer = (self.buffer + chunk).split(b"\n")
-        if len(self.buffer) > MAX_RESPONSE_LINE:
-            self.buffer = b""  # an endless line is not an answer
-        return _json_dicts(lines)
-
-
-def _json_dicts(lines: list) -> list[dict]:
-    """The lines that are JSON objects, parsed; anything else (a torn or forged line) is skipped."""
-    out = []
-    for line in lines:
-        try:
-            value = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(value, dict):
-            out.append(value)
-    return out
-
-
-def _events(io: Path) -> list[dict]:
-    try:
-        return _json_dicts((io / "status.jsonl").read_text(errors="replace").splitlines())
-    except OSError:
-        return []
-
-
-def _unanswered(check: Check, events: list[dict], total_timeout: float, ran_out: bool) -> tuple[str, str]:
-    """Why a task got no answer, in words a student understands (from the runner's untrusted log)."""
-    mine = next((e for e in events if e.get("event") == "check" and e.get("name") == check.name), None)
-    if mine is not None:
-        outcome = mine.get("outcome")
-        if outcome in ("timeout", "hung"):
-            return "timed out", f"checking this task took longer than {check.time_limit:g} s (an endless loop?)"
-        if outcome == "died":
-            return "crashed after", "your notebook's Python process stopped while this task was being checked"
-        return "failed", "no answer came back for this task (did the notebook replace the grading helpers?)"
-    if ran_out:
-        return "timed out", (f"your notebook ran past the total time limit ({total_timeout:g} s) before this task "
-                             "was checked")
-    last = events[-1] if events else {}
-    if last.get("event") == "cell" and last.get("outcome") == "hung":
-        return "timed out", (f"cell {last.get('index', 0) + 1} of your notebook ran too long and could not be "
-                             "stopped, so this task was never checked")
-    if last.get("outcome") == "died" or last.get("event") in ("cell", "check"):
-        where = f" in cell {last['index'] + 1}" if last.get("event") == "cell" and "index" in last else ""
-        return "crashed after", (f"your notebook's Python process stopped{where} (a crash, os._exit or a kill) "
-                                 "before this task was checked; tasks checked earlier keep their points")
-    return "crashed after", "your notebook stopped before any task could be checked"
 
 
 @dataclass(frozen=True)
@@ -215,11 +154,14 @@ class Options:
     total_timeout: float = 900
     memory_gb: float = 6
     level: str = "namespaces"
+    workspace: Path = Path(tempfile.gettempdir())  # this run's sandboxes and learner library live here
+    library: Path = Path()  # the learner library (sandbox.learner_library)
+    hidden: tuple[Path, ...] = ()  # folders a sandbox must never see: submissions, gradebook
 
 
 def grade_submission(sub: Submission, opts: Options, book: Gradebook, digest: str) -> list[dict]:
     """Grade one notebook; every judged task is recorded as soon as it is judged. Returns its rows."""
-    if _course_digest() != digest:  # another submission changed the course: grade nothing more
+    if _course_digest(opts.library) != digest:  # another submission changed the course: grade nothing more
         raise RuntimeError(f"the course's files changed before {sub.notebook} was graded")
     run = secrets.token_hex(8)
     rows: list[dict] = []
@@ -245,7 +187,7 @@ def grade_submission(sub: Submission, opts: Options, book: Gradebook, digest: st
         emit(None, "not graded", problem)
     else:
         _run_in_sandbox(sub, checks, opts, emit)
-    if _course_digest() != digest:  # only possible at the session level: the namespaces make it read-only
+    if _course_digest(opts.library) != digest:  # only at the session level: the namespaces make it read-only
         rows = [{**r, "points": 0, "passed": False, "status": "failed",
                  "message": "this notebook changed the course's own files; its points are withdrawn"} for r in rows]
         for row in rows:
@@ -265,56 +207,24 @@ def _run_in_sandbox(sub: Submission, checks: list[Check], opts: Options, emit) -
             emit(c, "not graded", f"the file is not a readable notebook ({type(e).__name__}: {str(e)[:150]})")
         return
     rng = random.Random(secrets.randbits(64))
-    requests, cases = [], {}
-    for c in checks:
-        rid = secrets.token_hex(8)
-        cases[rid] = (c, c.cases(rng))
-        requests.append({"name": c.name, "id": rid, "cases": cases[rid][1], "time_limit": c.time_limit})
-    box = Path(tempfile.mkdtemp(prefix="amp-grade-"))
+    cases = {c.name: c.cases(rng) for c in checks}  # they stay here: the kernel sees one task's public part
+    box = Path(tempfile.mkdtemp(prefix="box-", dir=opts.workspace))
     token = secrets.token_hex(12)
     try:
-        (box / "work").mkdir()
+        env = sandbox.environment(box, token, {}, opts.library)
+        if opts.level == "namespaces":
+            env.update(sandbox.namespace_env(box, opts.library, [opts.workspace, *opts.hidden]))
         shutil.copy(sub.path, box / "work" / sub.path.name)
-        io = box / "io"
-        io.mkdir()
-        (io / "requests.json").write_text(json.dumps(requests))
-        memory = 0 if _cuda_visible() else int(opts.memory_gb * 2**30)  # CUDA reserves more address space
-        (io / "job.json").write_text(json.dumps({"notebook": sub.path.name, "chapter": sub.chapter,
-                                                 "cell_timeout": opts.cell_timeout,
-                                                 "memory_bytes": memory, "cpu_seconds": int(opts.total_timeout * 2)}))
-        env = sandbox.environment(box, token, {"AMP_SANDBOX_DIR": str(box)})
-        if opts.level == "session":
-            course = sandbox.course_copy(box)
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(course), env.get("PYTHONPATH")) if p)
-            env["COURSE_DATA_DIR"] = str(course / "data")
-        with open(box / "runner.log", "wb") as log:
-            proc = sandbox.start(sandbox.command(opts.level, box, ["-m", "course_lib.tooling.runner", str(box)]),
-                                 env, box / "work", log)
-        reader, judged = _Responses(io / "responses.jsonl"), set()
-        deadline, ran_out = time.monotonic() + opts.total_timeout, False
+        limits = {"as": 0 if _cuda_visible() else int(opts.memory_gb * 2**30),  # CUDA reserves more address space
+                  "cpu": int(opts.total_timeout * 2)}
 
-        def judge_new() -> None:
-            for response in reader.new():
-                rid = response.get("id")
-                if rid in cases and rid not in judged:  # the first answer to a question counts
-                    judged.add(rid)
-                    check, its_cases = cases[rid]
-                    emit(check, *judge_response(check, its_cases, response))
+        def start(faults: Faults) -> Attempt:
+            return Attempt(box, opts.level, env, box / "kernel.log", faults, limits)
 
-        while proc.poll() is None:
-            judge_new()
-            if time.monotonic() > deadline:
-                ran_out = True
-                break
-            time.sleep(0.1)
-        sandbox.end(proc, token)
-        judge_new()
-        events = _events(io)
+        faults = run_submission(box / "work" / sub.path.name, checks, cases, start, opts.cell_timeout,
+                                time.monotonic() + opts.total_timeout, emit)
         if os.environ.get("AMP_GRADER_DEBUG"):
-            print(sub.notebook, json.dumps(events), file=sys.stderr)
-        for rid, (check, _) in cases.items():
-            if rid not in judged:
-                emit(check, *_unanswered(check, events, opts.total_timeout, ran_out))
+            print(sub.notebook, json.dumps(faults.outcomes), file=sys.stderr)
     finally:
         shutil.rmtree(box, ignore_errors=True)
 
@@ -347,20 +257,24 @@ def grade_folder(submissions: Path, out_dir: Path, *, jobs: int = 2, cell_timeou
         print(f"grader: WARNING: no namespace isolation ({why}): a submission could read and write your files and "
               "signal your processes. Every process it starts is still killed and the course's files are checked "
               "after each one. Grade untrusted submissions this way only in a container or VM.")
-    opts = Options(cell_timeout, total_timeout, memory_gb, level)
+    workspace = Path(tempfile.mkdtemp(prefix="amp-grade-"))
+    library = sandbox.learner_library(workspace)
+    opts = Options(cell_timeout, total_timeout, memory_gb, level, workspace, library,
+                   (Path(submissions).resolve(), Path(out_dir).resolve()))
     book = Gradebook(out_dir, restart)
     subs = find_submissions(submissions)
     todo = [s for s in subs if s.notebook not in book.finished]
     if len(todo) < len(subs):
         print(f"grader: resuming: {len(subs) - len(todo)} of {len(subs)} submissions already graded in "
               f"{book.journal}")
-    digest = _course_digest()
+    digest = _course_digest(library)
     pool = ThreadPoolExecutor(max(1, jobs))
     try:
         for fut in as_completed([pool.submit(grade_submission, s, opts, book, digest) for s in todo]):
             fut.result()  # a changed checkout stops the run here, loudly
     finally:
         pool.shutdown(wait=True, cancel_futures=True)  # nothing more is graded on a changed checkout
+        shutil.rmtree(workspace, ignore_errors=True)
     rows = [r for s in subs for r in book.finished.get(s.notebook, [])]
     _print_summary(subs, book, time.monotonic() - started, Path(out_dir))
     return rows

@@ -49,7 +49,7 @@ MAX_ITEMS = 2_000_000  # numbers in one check's results: more is a runaway, not 
 # The batch grader hands the kernel one end of a socket it owns; this variable names its fd.
 ANSWER_FD_ENV = "AMP_ANSWER_FD"
 # What a task's status column can say, in words a student understands.
-STATUSES = ("passed", "failed", "not attempted", "crashed after", "timed out", "not graded", "duplicate")
+STATUSES = ("passed", "failed", "not attempted", "crashed", "timed out", "not graded", "duplicate")
 
 
 class CheckFailure(AssertionError):

@@ -3,16 +3,22 @@
 Two levels, chosen once per grading run (course_lib.tooling.grader says which, at the start):
 
 namespaces (Linux with unprivileged user namespaces, the usual case)
-    `unshare` gives the submission its own user, PID, network and mount namespaces: it sees no
-    process of the machine (so it can kill none, and all of its processes die with it), has no
-    network at all, and sees every file system of the machine read-only, except its own sandbox
-    folder and a fresh /dev/shm. HOME, TMPDIR, IPython and Jupyter folders are in the sandbox.
+    `unshare` gives the submission its own user, PID, network and mount namespaces. Its file
+    system is built from nothing: a fresh root holding, read-only, the system's programs and
+    libraries, the Python installation and the *learner library* (course_lib without the checks,
+    the grader and this module, the shipped data and any $COURSE_EXTRA_PROBES: `learner_library`);
+    writable, only its own
+    sandbox folder and fresh /tmp and /dev/shm. The course checkout (solutions/, exercises/, the
+    checks), the submissions, the gradebook, the grader's HOME and every other sandbox are not
+    there at all. It sees no process of the machine (so it can kill none, and all of its
+    processes die with it), has no network but its own loopback, and runs with no capabilities,
+    so it cannot mount, remount or leave the root it was given.
 session (anywhere else)
-    A new session with resource limits, its own HOME/TMPDIR and a throw-away copy of the
-    course. It cannot stop a deliberate attack on the machine: a submission could write files the
-    grader's user can write, or kill the grader's processes. Every process it started is still
-    killed afterwards, and the checkout is checked for changes after every submission. Grade
-    untrusted submissions at this level only inside a container or a VM.
+    A new session with resource limits, its own HOME/TMPDIR and the learner library first on
+    its path. It cannot stop a deliberate attack on the machine: a submission could read or write
+    files the grader's user can, or kill the grader's processes. Every process it started is
+    still killed afterwards, and the checkout is checked for changes after every submission.
+    Grade untrusted submissions at this level only inside a container or a VM.
 """
 from __future__ import annotations
 
@@ -25,30 +31,59 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-__all__ = ["available", "environment", "command", "start", "end", "course_copy"]
+__all__ = ["available", "environment", "command", "start", "end", "learner_library", "visible_paths"]
 
 ROOT = Path(__file__).resolve().parents[2]
+# What the learner library leaves out of course_lib: the right answers and the grader's own code.
+NOT_FOR_LEARNERS = ("tooling/checks", "tooling/grader.py", "tooling/sandbox.py", "tooling/runner.py")
 
-# Runs as PID 1 of the new namespaces, as root of the new user namespace (which is the caller's
-# own user outside it): bring up the namespace's own loopback (processes of one submission may
-# talk to each other, e.g. two DDP ranks, but reach nothing outside), make every mount
-# read-only, give /dev/shm a private tmpfs, make the sandbox writable again, become the runner.
+# Runs as PID 1 of the new namespaces, as root of the new user namespace (the caller's own user
+# outside it). Builds the sandbox's root in $AMP_NEW_ROOT: a tmpfs with read-only bind mounts of
+# the paths in $AMP_READ_ONLY (one per line), a few device nodes, its own /proc, empty /tmp and
+# /dev/shm, and the sandbox folder writable at its own path (the grader talks to the kernel over
+# unix sockets in it). Then pivot_root into it, detach the old root, and run the command with
+# every capability dropped: nothing inside can mount, remount or reach the old root again.
 _NS_SCRIPT = r"""set -e
 if command -v ip >/dev/null; then ip link set lo up; fi
-for mp in $(findmnt -rn -o TARGET | sort -u); do
-  case "$mp" in /proc|/proc/*|/sys|/sys/*|/dev|/dev/*) ;; *) mount -o remount,bind,ro "$mp" ;; esac
+new="$AMP_NEW_ROOT"
+mount -t tmpfs -o mode=755,size=64m tmpfs "$new"
+mkdir -p "$new/proc" "$new/dev/shm" "$new/tmp" "$new/sys"
+mount -t tmpfs -o size=1g,mode=1777 tmpfs "$new/tmp"
+mount -t tmpfs -o size=256m,mode=1777 tmpfs "$new/dev/shm"
+for node in null zero full random urandom tty $AMP_DEVICES; do  # $AMP_DEVICES: the GPUs' nodes
+  if [ -d "/dev/$node" ]; then mkdir -p "$new/dev/$node"; mount --rbind "/dev/$node" "$new/dev/$node"
+  elif [ -e "/dev/$node" ]; then touch "$new/dev/$node"; mount --bind "/dev/$node" "$new/dev/$node"; fi
 done
-if [ -d /dev/shm ]; then mount -t tmpfs -o size=256m,mode=1777 tmpfs /dev/shm; fi
-mount --bind "$AMP_SANDBOX_DIR" "$AMP_SANDBOX_DIR"
-mount -o remount,bind,rw "$AMP_SANDBOX_DIR"
-exec "$@"
+ln -s /proc/self/fd "$new/dev/fd"
+printf '%s
+' "$AMP_READ_ONLY" | while IFS= read -r path; do
+  if [ -z "$path" ] || [ ! -e "$path" ]; then continue; fi
+  if [ -L "$path" ]; then  # /bin -> usr/bin and the like: the same link in the new root
+    mkdir -p "$new$(dirname "$path")"; ln -sfn "$(readlink "$path")" "$new$path"; continue
+  fi
+  if [ -d "$path" ]; then mkdir -p "$new$path"; else mkdir -p "$new$(dirname "$path")"; touch "$new$path"; fi
+  mount --rbind "$path" "$new$path"
+  mount -o remount,bind,ro "$new$path"
+done
+mount -t sysfs -o ro,nosuid,nodev,noexec sysfs "$new/sys" || true  # a fresh one: no cgroup files
+mkdir -p "$new$AMP_SANDBOX_DIR"
+mount --bind "$AMP_SANDBOX_DIR" "$new$AMP_SANDBOX_DIR"
+mount -t proc proc "$new/proc"
+mkdir "$new/.old"
+cd "$new"
+pivot_root . .old
+umount -l /.old
+rmdir /.old
+cd "$AMP_WORKDIR"
+exec setpriv --no-new-privs --inh-caps=-all --ambient-caps=-all --bounding-set=-all -- "$@"
 """
 _UNSHARE = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount-proc",
             "--net", "--mount", "--propagation", "private", "--"]
 _PROBE = r"""
 import os, socket, sys
 root, sandbox = sys.argv[1], sys.argv[2]
-for path, want in ((os.path.join(root, ".amp-probe"), False), (os.path.join(sandbox, "probe"), True)):
+assert not os.path.exists(os.path.join(root, "course_lib", "tooling", "checks")), "the checkout is visible"
+for path, want in ((os.path.join(sandbox, "probe"), True), ("/usr/.amp-probe", False)):
     try:
         open(path, "w").close()
         ok = True
@@ -61,28 +96,94 @@ try:
     raise AssertionError("network")
 except OSError:
     pass
+import course_lib.tooling.grading  # the learner library imports
 print("isolated")
 """
 
 
+def learner_library(dest: Path) -> Path:
+    """Copy what a learner may read into dest/course: course_lib without the checks and the
+    grader's code, and the shipped data (not the GPU references: nothing there is an answer, but
+    nothing there is needed either). Returns dest/course, to put first on the sandbox's path."""
+    course = Path(dest) / "course"
+    skip = {ROOT / "course_lib" / part for part in NOT_FOR_LEARNERS}
+
+    def ignore(folder: str, names: list[str]) -> list[str]:
+        return [n for n in names if n == "__pycache__" or Path(folder, n) in skip]
+
+    shutil.copytree(ROOT / "course_lib", course / "course_lib", ignore=ignore)
+    (course / "data").mkdir(parents=True)
+    for npz in (ROOT / "data").glob("*.npz"):
+        shutil.copy(npz, course / "data")
+    (course / "extra_probes").mkdir()
+    for file in _extra_probes():
+        shutil.copy(file, course / "extra_probes" / file.name)
+    return course
+
+
+def _extra_probes() -> list[Path]:
+    return [Path(f) for f in os.environ.get("COURSE_EXTRA_PROBES", "").split(os.pathsep) if f]
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def visible_paths(library: Path, hidden: list[Path]) -> list[str]:
+    """What the namespaces level binds read-only into the sandbox's root: the system, Python and its
+    packages (sys.path), $PYTHONPATH and the learner library. A path
+    that is, holds or lies inside the checkout (other than its .venv and dot-folders such as .gpu)
+    or a hidden folder (submissions, gradebook, the other sandboxes) is left out."""
+    wanted = [Path(p) for p in ("/usr", "/etc", "/opt", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")]
+    python = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+              *sys.path, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    wanted += [Path(os.path.realpath(p)) for p in python if p and os.path.isabs(p)]
+    wanted.append(Path(library))
+    root = ROOT.resolve()
+    out: list[str] = []
+    for path in wanted:
+        if not path.exists() or any(_inside(h, path) for h in [root, *hidden]):  # binding it would show them
+            continue
+        if _inside(path, root) and not path.relative_to(root).parts[0].startswith("."):
+            continue  # inside the checkout, only .venv, .gpu and the like
+        if any(_inside(path, h) for h in hidden) and not _inside(path, Path(library)):
+            continue
+        if str(path) not in out and not any(_inside(path, Path(o)) for o in out if not Path(o).is_symlink()):
+            out.append(str(path))
+    return out
+
+
 @cache
 def available() -> bool:
-    """Can this machine run the namespaces level? Tried for real once: read-only host, no network."""
-    if not sys.platform.startswith("linux") or not shutil.which("unshare") or not shutil.which("findmnt"):
+    """Can this machine run the namespaces level? Tried for real once: a root without the checkout,
+    read-only system, no network, the learner library importable."""
+    if not sys.platform.startswith("linux") or not all(shutil.which(t) for t in ("unshare", "setpriv")):
         return False
-    with tempfile.TemporaryDirectory(prefix="amp-probe-") as sandbox:
+    with tempfile.TemporaryDirectory(prefix="amp-probe-") as tmp:
+        library = learner_library(Path(tmp))
+        box = Path(tmp) / "box"
+        box.mkdir()
+        env = {**environment(box, "probe", {}, library), **namespace_env(box, library, [Path(tmp)])}
         try:
-            out = subprocess.run(command("namespaces", sandbox, ["-c", _PROBE, str(ROOT), sandbox]),
-                                 env={**environment(Path(sandbox), "probe", {}), "AMP_SANDBOX_DIR": sandbox},
-                                 capture_output=True, text=True, timeout=60)
+            out = subprocess.run(command("namespaces", [sys.executable, "-c", _PROBE, str(ROOT), str(box)]),
+                                 env=env, capture_output=True, text=True, timeout=60, cwd=box)
         except (OSError, subprocess.SubprocessError):
             return False
-        leaked = (ROOT / ".amp-probe").exists()
-    return out.returncode == 0 and "isolated" in out.stdout and not leaked
+    return out.returncode == 0 and "isolated" in out.stdout
 
 
-def environment(sandbox: Path, token: str, extra: dict[str, str]) -> dict[str, str]:
-    """The whole environment of the sandbox: its own HOME and TMPDIR, and nothing secret passed on."""
+def namespace_env(box: Path, library: Path, hidden: list[Path]) -> dict[str, str]:
+    """The variables _NS_SCRIPT reads: where to build the root, what to show, where to start."""
+    (box / ".root").mkdir(exist_ok=True)
+    devices = " ".join(d for d in sorted(os.listdir("/dev")) if d.startswith("nvidia")) if os.path.isdir("/dev") \
+        else ""
+    return {"AMP_NEW_ROOT": str(box / ".root"), "AMP_SANDBOX_DIR": str(box), "AMP_WORKDIR": str(box / "work"),
+            "AMP_READ_ONLY": "\n".join(visible_paths(library, hidden)), "AMP_DEVICES": devices}
+
+
+def environment(sandbox: Path, token: str, extra: dict[str, str], library: Path) -> dict[str, str]:
+    """The whole environment of the sandbox: its own HOME and TMPDIR, the learner library first on
+    the path (instead of the checkout), and nothing secret passed on."""
     home = sandbox / "home"
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": os.environ.get("LANG", "C.UTF-8"),
@@ -93,29 +194,32 @@ def environment(sandbox: Path, token: str, extra: dict[str, str]) -> dict[str, s
         "AMP_COURSE_GRADING": "1", "AMP_SANDBOX": token, "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONUNBUFFERED": "1",
     }
-    for key in ("COURSE_EXTRA_CHECKS", "CUDA_VISIBLE_DEVICES", "COURSE_DATA_DIR", "PYTHONPATH"):
+    for key in ("CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH"):
         if os.environ.get(key) is not None:
             env[key] = os.environ[key]
+    root = ROOT.resolve()
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and not (Path(p).resolve() == root or (root / "course_lib").resolve() == Path(p).resolve())]
+    env["PYTHONPATH"] = os.pathsep.join([str(library), *kept])
+    env["COURSE_DATA_DIR"] = str(Path(library) / "data")
+    probes = [str(Path(library) / "extra_probes" / f.name) for f in _extra_probes()]
+    if probes:  # an instructor's probes, copied into the learner library: their checks stay outside
+        env["COURSE_EXTRA_PROBES"] = os.pathsep.join(probes)
     env.update(extra)
-    for d in ("home", "tmp", "run"):
+    for d in ("home", "tmp", "run", "work"):
         (sandbox / d).mkdir(parents=True, exist_ok=True)
     return env
 
 
-def course_copy(sandbox: Path) -> Path:
-    """The session level's throw-away copy of the course (library and shipped data)."""
-    dest = sandbox / "course"
-    shutil.copytree(ROOT / "course_lib", dest / "course_lib", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(ROOT / "data", dest / "data", ignore=shutil.ignore_patterns("reference"))
-    return dest
-
-
-def command(level: str, sandbox: str | Path, python_args: list[str]) -> list[str]:
-    """The argv that runs `python python_args...` at this isolation level."""
-    python = [sys.executable, *python_args]
-    if level == "namespaces":
-        return [*_UNSHARE, "/bin/sh", "-c", _NS_SCRIPT, "sh", *python]
-    return python
+def command(level: str, argv: list[str], limits: dict[str, int] | None = None) -> list[str]:
+    """The argv that runs `argv` at this isolation level (with namespace_env's variables set), under
+    resource limits where prlimit exists: address space `as` and CPU seconds `cpu` (0: none), files
+    of at most 512 MiB, no core dumps."""
+    out = [*_UNSHARE, "/bin/sh", "-c", _NS_SCRIPT, "sh", *argv] if level == "namespaces" else list(argv)
+    if limits is not None and shutil.which("prlimit"):
+        caps = [f"--{k}={v}" for k, v in limits.items() if v] + [f"--fsize={512 * 2**20}", "--core=0"]
+        out = ["prlimit", *caps, "--", *out]
+    return out
 
 
 def _die_with_parent() -> None:
@@ -132,10 +236,10 @@ except (OSError, AttributeError):
     _PRCTL = None
 
 
-def start(argv: list[str], env: dict[str, str], cwd: Path, log) -> subprocess.Popen:
-    """Start a sandbox in a session of its own that dies with the grader."""
+def start(argv: list[str], env: dict[str, str], cwd: Path, log, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+    """Start a sandbox in a session of its own that dies with the grader; `pass_fds` are inherited."""
     return subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, preexec_fn=_die_with_parent)
+                            start_new_session=True, preexec_fn=_die_with_parent, pass_fds=pass_fds)
 
 
 def _pids_with_token(token: str) -> list[int]:

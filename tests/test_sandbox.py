@@ -1,0 +1,127 @@
+"""What a submission's sandbox holds: its own folder and the learner library, nothing else.
+
+The grader's hostile-class test (test_grader.py) shows the consequences; this one looks inside the
+sandbox directly, with a script that reports what it can see and do.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from course_lib.tooling import sandbox
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(not sandbox.available(), reason="this machine cannot create user namespaces")
+
+LOOK = r"""
+import json, os, subprocess, sys
+paths = json.loads(sys.argv[1])
+report = {"exists": {p: os.path.exists(p) for p in paths}}
+import course_lib.tooling.grading, course_lib.tooling.probes
+report["library"] = os.path.dirname(course_lib.__file__)
+try:
+    import course_lib.tooling.checks
+    report["checks"] = True
+except ImportError:
+    report["checks"] = False
+import importlib, pkgutil
+report["probes"] = {}
+for m in pkgutil.iter_modules(course_lib.tooling.probes.__path__):
+    try:
+        importlib.import_module("course_lib.tooling.probes." + m.name)
+        report["probes"][m.name] = "ok"
+    except Exception as e:
+        report["probes"][m.name] = f"{type(e).__name__}: {e}"
+report["capabilities"] = open("/proc/self/status").read().split("CapEff:")[1].split()[0]
+report["pid"] = os.getpid()
+def writable(path):
+    try:
+        with open(path, "w") as f:
+            f.write("x")
+        return True
+    except OSError:
+        return False
+report["writes"] = {p: writable(p) for p in json.loads(sys.argv[2])}
+report["remount"] = subprocess.run(["mount", "-o", "remount,rw", "/usr"], capture_output=True).returncode
+report["root"] = sorted(os.listdir("/"))
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def seen(tmp_path_factory) -> dict:
+    workspace = tmp_path_factory.mktemp("workspace")
+    library = sandbox.learner_library(workspace)
+    other, box = workspace / "box-other", workspace / "box-mine"
+    (other / "work").mkdir(parents=True)
+    (other / "work" / "01_formats_exercises.ipynb").write_text("another student's notebook")
+    box.mkdir()
+    submissions, gradebook = tmp_path_factory.mktemp("submissions"), tmp_path_factory.mktemp("gradebook")
+    (gradebook / "gradebook.jsonl").write_text("{}")
+    env = {**sandbox.environment(box, "look", {}, library),
+           **sandbox.namespace_env(box, library, [workspace, submissions, gradebook])}
+    look = [str(ROOT / "solutions"), str(ROOT / "course_lib" / "tooling" / "checks"), str(ROOT / "exercises"),
+            str(other / "work" / "01_formats_exercises.ipynb"), str(submissions), str(gradebook / "gradebook.jsonl"),
+            str(library / "course_lib" / "tooling" / "checks"), str(library / "course_lib" / "tooling" / "grader.py"),
+            str(Path.home() / ".bashrc"), str(library / "data" / "fashion_mnist_20k.npz"), str(box / "work")]
+    write = [str(box / "work" / "mine.txt"), str(library / "course_lib" / "evil.py"), "/usr/evil", "/tmp/scratch",
+             str(Path(sys.prefix) / "evil")]
+    done = subprocess.run(sandbox.command("namespaces", [sys.executable, "-c", LOOK, json.dumps(look),
+                                                         json.dumps(write)]),
+                          env=env, cwd=box, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return {"report": json.loads(done.stdout.strip().splitlines()[-1]), "library": library, "box": box,
+            "other": other, "submissions": submissions, "gradebook": gradebook}
+
+
+def test_the_checkout_solutions_and_checks_are_not_there(seen):
+    exists = seen["report"]["exists"]
+    for hidden in (ROOT / "solutions", ROOT / "course_lib" / "tooling" / "checks", ROOT / "exercises"):
+        assert exists[str(hidden)] is False, hidden
+    assert seen["report"]["checks"] is False  # import course_lib.tooling.checks fails inside
+
+
+def test_the_learner_library_is_there_without_the_graders_secrets(seen):
+    exists, library = seen["report"]["exists"], seen["library"]
+    assert seen["report"]["library"] == str(library / "course_lib")
+    assert exists[str(library / "data" / "fashion_mnist_20k.npz")]
+    assert not exists[str(library / "course_lib" / "tooling" / "checks")]
+    assert not exists[str(library / "course_lib" / "tooling" / "grader.py")]
+
+
+def test_other_submissions_the_submissions_folder_and_the_gradebook_are_not_there(seen):
+    exists = seen["report"]["exists"]
+    assert not exists[str(seen["other"] / "work" / "01_formats_exercises.ipynb")]
+    assert not exists[str(seen["submissions"])]
+    assert not exists[str(seen["gradebook"] / "gradebook.jsonl")]
+    assert not exists[str(Path.home() / ".bashrc")]  # the grader's HOME: at most the Python installed in it
+
+
+def test_only_the_sandbox_folder_and_tmp_are_writable(seen):
+    writes = seen["report"]["writes"]
+    assert writes[str(seen["box"] / "work" / "mine.txt")] and writes["/tmp/scratch"]
+    assert not writes[str(seen["library"] / "course_lib" / "evil.py")]
+    assert not writes["/usr/evil"] and not writes[str(Path(sys.prefix) / "evil")]
+    assert not (seen["library"] / "course_lib" / "evil.py").exists()
+
+
+def test_no_capabilities_so_nothing_can_be_remounted(seen):
+    assert int(seen["report"]["capabilities"], 16) == 0
+    assert seen["report"]["remount"] != 0
+    assert seen["report"]["pid"] < 10  # a PID namespace of its own
+
+
+def test_the_root_is_built_from_a_short_list(seen):
+    assert "home" not in seen["report"]["root"] and "var" not in seen["report"]["root"]
+
+
+def test_every_probe_module_imports_without_the_checks(seen):
+    """A probe that needs a check module would fail in every sandbox: the kernel side must stand alone."""
+    probes = seen["report"]["probes"]
+    expected = {p.stem for p in (ROOT / "course_lib" / "tooling" / "probes").glob("ch*.py")}
+    assert set(probes) == expected and all(v == "ok" for v in probes.values()), probes
