@@ -8,10 +8,16 @@ module named __main__, as a notebook cell defines them, so the shortcut detector
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
+import socket
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +27,8 @@ import torch.nn as nn
 from course_lib.chapters import formats as F
 from course_lib.chapters.autocast_dtypes import module_dtypes
 from course_lib.tooling.grading import checks_for, run_check
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def verdict(name: str, obj, seed: int | None = None, *more) -> tuple[str, str]:
@@ -344,7 +352,7 @@ def test_every_check_has_points_and_a_hint():
 
 def test_median_step_ms_allows_for_sleeps_that_overshoot_on_a_busy_machine():
     """CI: every sleep ran ~5 ms late while the grader ran two notebooks; the true median then passes,
-    judged against what the calls really slept; 10 ms above it still fails, late or on time."""
+    judged against what the grader measured the calls really slept; 10 ms above it still fails, late or on time."""
     from course_lib.tooling.checks import ch00
     from course_lib.tooling.grading import CheckFailure
     check = next(c for c in checks_for("00") if c.name == "00.median_step_ms")
@@ -352,8 +360,234 @@ def test_median_step_ms_allows_for_sleeps_that_overshoot_on_a_busy_machine():
     ms = [1000 * x for x in case["seconds"]]
     late = [m + 5.0 for m in ms]
     got = statistics.median(late[case["warmup"]:])
-    check.judge([case], [{"ms": got, "calls": len(ms), "slept_ms": late}])
+    check.judge([{**case, "_slept_ms": late}], [{"ms": got}])
     with pytest.raises(CheckFailure, match="median timed call"):
-        check.judge([case], [{"ms": got + 10.0, "calls": len(ms), "slept_ms": late}])
+        check.judge([{**case, "_slept_ms": late}], [{"ms": got + 10.0}])
     with pytest.raises(CheckFailure):
-        check.judge([case], [{"ms": got + 10.0, "calls": len(ms), "slept_ms": ms}])
+        check.judge([{**case, "_slept_ms": ms}], [{"ms": got + 10.0}])
+
+
+# --------------------------------------------------------------------------- the durations stay in the grader
+
+KERNEL = """
+import json, sys
+from course_lib.tooling import grading
+request = json.loads(sys.stdin.read())
+namespace = {"__name__": "__main__"}
+exec(request.pop("source"), namespace)  # the learner's notebook cell
+grading.serve(request, namespace)
+"""
+
+
+def separate_kernel(name: str, source: str, seed: int | None = None) -> tuple[str, str]:
+    """(status, message) for `source`, a notebook cell defining the task's function, judged as the batch
+    grader judges it: the kernel is another process, shown only the public cases, and the probe's
+    `probes.ask` reaches this process, where the check's `host` answers it, over a socket."""
+    from course_lib.tooling.grading import ANSWER_FD_ENV, CheckFailure, get_check, judge_response
+    check = get_check(name)
+    cases = check.cases(random.Random(seed))
+    grader, kernel = socket.socketpair()
+    request = {"name": name, "args": list(check.args), "forbidden": list(check.forbidden), "nonce": "n",
+               "cases": [check.public(c) for c in cases], "source": source}
+    proc = subprocess.Popen([sys.executable, "-c", KERNEL], stdin=subprocess.PIPE, pass_fds=(kernel.fileno(),),
+                            env={**os.environ, ANSWER_FD_ENV: str(kernel.fileno())}, cwd=ROOT)
+    kernel.close()
+    proc.stdin.write(json.dumps(request).encode())
+    proc.stdin.close()
+    grader.settimeout(check.time_limit + 30)
+    reader, response = grader.makefile("rb"), None
+    try:
+        for line in iter(reader.readline, b""):
+            message = json.loads(line)
+            if "response" in message:
+                response = message["response"]
+                break
+            try:
+                reply = {"nonce": "n", "reply": check.host(cases[message["case"]], message["ask"])}
+            except CheckFailure as e:
+                reply = {"nonce": "n", "error": str(e)}
+            grader.sendall(json.dumps(reply).encode() + b"\n")
+    finally:
+        reader.close()
+        grader.close()
+        proc.wait(timeout=30)
+    return judge_response(check, cases, response)
+
+
+MEDIAN_STEP_MS = """
+import statistics, time
+def median_step_ms(fn, warmup=3, iters=10):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+"""
+# Shortcuts that read the durations instead of timing: each found them in what the kernel held before.
+READS_THE_CLOSURE = """
+import statistics
+def median_step_ms(fn, warmup=3, iters=10):
+    cells = [c.cell_contents for c in fn.__closure__ or ()]
+    seconds = next(v for v in cells if isinstance(v, list) and len(v) == warmup + iters)
+    for _ in range(warmup + iters):
+        fn()
+    return 1000 * statistics.median(seconds[warmup:])
+"""
+PATCHES_SLEEP = """
+import statistics, time
+def median_step_ms(fn, warmup=3, iters=10):
+    asked, real = [], time.sleep
+    time.sleep = lambda s: (asked.append(s), real(s))[1]
+    try:
+        for _ in range(warmup + iters):
+            fn()
+    finally:
+        time.sleep = real
+    return 1000 * statistics.median(asked[warmup:])
+"""
+SCANS_GC = """
+import gc, statistics
+def median_step_ms(fn, warmup=3, iters=10):
+    for _ in range(warmup + iters):
+        fn()
+    found = [o for o in gc.get_objects() if isinstance(o, dict) and o.get("warmup") == warmup
+             and isinstance(o.get("seconds"), list)]
+    return 1000 * statistics.median(found[0]["seconds"][warmup:])
+"""
+READS_FN_GLOBALS = """
+import statistics
+def median_step_ms(fn, warmup=3, iters=10):
+    for _ in range(warmup + iters):
+        fn()
+    lists = [v for v in fn.__globals__.values() if isinstance(v, list) and len(v) == warmup + iters
+             and all(isinstance(x, float) for x in v)]
+    return 1000 * statistics.median(lists[0][warmup:])
+"""
+
+
+def passes_in_a_separate_kernel(name: str, source: str, tries: int = 3) -> None:
+    """At least one of `tries` runs passes. Each call's time as the learner measures it holds the kernel's
+    wake-up after the grader's reply, which the grader cannot see: on a machine shared by several test
+    runs (load well above its cores) that alone can add ~10 ms to most calls of one run."""
+    messages = []
+    for _ in range(tries):
+        status, message = separate_kernel(name, source)
+        if status == "passed":
+            return
+        messages.append(message)
+    raise AssertionError(f"{name} failed {tries} times in a separate kernel: {messages}")
+
+
+def test_median_step_ms_passes_in_a_separate_kernel_that_never_sees_the_durations():
+    passes_in_a_separate_kernel("00.median_step_ms", MEDIAN_STEP_MS)
+
+
+@pytest.mark.parametrize("source", [READS_THE_CLOSURE, PATCHES_SLEEP, SCANS_GC, READS_FN_GLOBALS],
+                         ids=["closure", "patched sleep", "gc", "fn globals"])
+def test_median_step_ms_rejects_reading_the_durations_in_the_kernel(source):
+    status, message = separate_kernel("00.median_step_ms", source)
+    assert status == "failed", message
+
+
+@pytest.mark.parametrize("source", [READS_THE_CLOSURE, PATCHES_SLEEP, READS_FN_GLOBALS],
+                         ids=["closure", "patched sleep", "fn globals"])
+def test_median_step_ms_rejects_reading_the_durations_inline_too(source):
+    fails("00.median_step_ms", notebook_function(source, "median_step_ms"))
+
+
+def test_median_step_ms_public_case_holds_no_durations():
+    check = next(c for c in checks_for("00") if c.name == "00.median_step_ms")
+    for case in check.cases(random.Random(0)):
+        assert check.public(case) == {"warmup": case["warmup"], "iters": case["iters"]}
+
+
+def test_median_step_ms_counts_calls_itself_and_answers_only_fn():
+    from course_lib.tooling.grading import CheckFailure
+    check = next(c for c in checks_for("00") if c.name == "00.median_step_ms")
+    case = check.cases(random.Random(0))[0]
+    check.host(case, {"call": "fn"})
+    assert len(case["_slept_ms"]) == 1 and case["_slept_ms"][0] >= 1000 * case["seconds"][0]
+    with pytest.raises(CheckFailure):
+        check.host(case, {"call": "fn", "calls": 99})  # a count sent by the kernel is not taken
+
+
+# --------------------------------------------------------------------------- answers of the wrong shape
+
+@pytest.mark.parametrize("answer", [(), ("bf16",), ("bf16", False, "extra"), "bf16"])
+def test_choose_precision_rejects_anything_but_a_pair(answer):
+    assert "expected a pair (precision, use_grad_scaler)" in fails("00.choose_precision", lambda cc: answer)
+
+
+@pytest.mark.parametrize("answer", [[], [12.0], "12", math.nan])
+def test_median_step_ms_rejects_an_answer_that_is_not_a_finite_number(answer):
+    def returns(fn, warmup, iters):
+        for _ in range(warmup + iters):
+            fn()
+        return answer
+    assert "expected a" in fails("00.median_step_ms", returns)
+
+
+@pytest.mark.parametrize("answer", [[], [1e-3], [1e-3, 1e-2, 1e-1]])
+def test_bf16_dot_errors_rejects_a_list_of_the_wrong_length(answer):
+    assert "expected a pair of numbers" in fails("01.bf16_dot_errors", lambda x, y: answer)
+
+
+def test_bf16_dot_errors_rejects_nan_errors():
+    # NaN is never "further than the tolerance" from anything: it must be refused before comparing
+    assert "expected a finite number" in fails("01.bf16_dot_errors", lambda x, y: [math.nan, math.nan])
+
+
+def test_fp_fate_rejects_an_empty_answer():
+    assert "so the answer is" in fails("01.fp_fate", lambda x, fmt: [])
+
+
+@pytest.mark.parametrize("out", [[], [[1.0, 2.0]], 3.0])
+def test_make_sqdist_judge_rejects_an_output_of_the_wrong_shape(out):
+    """backward(g) refuses a wrong-shaped output in the kernel already; the judge checks the shape anyway,
+    before comparing, so an answer that arrives empty or short is named as such."""
+    from course_lib.tooling.grading import CheckFailure, get_check
+    check = get_check("02.make_sqdist")
+    case = check.cases(random.Random(0))[0]
+    grads = {f"grad_{k}": {"array": case[k], "dtype": "float64"} for k in ("a", "b")}
+    answer = {"out": out if isinstance(out, float) else {"array": out, "dtype": "float64"},
+              "out_dtype": {"dtype": "float64"}, **grads}
+    with pytest.raises(CheckFailure, match=r"expected the output to be a \(\d, \d\) tensor of squared distances"):
+        check.judge([case], [answer])
+
+
+def test_make_sqdist_rejects_nan_outputs_under_autocast():
+    def nan_under_autocast(device_type):
+        class Nan(torch.autograd.Function):  # right outside autocast, NaN inside, with the right gradients
+            @staticmethod
+            def forward(ctx, a, b):
+                ctx.save_for_backward(a, b)
+                out = ((a.double()[:, None] - b.double()[None]) ** 2).sum(-1)
+                return out.float() * math.nan if torch.is_autocast_enabled(device_type) else out.to(a.dtype)
+
+            @staticmethod
+            def backward(ctx, g):
+                a, b = ctx.saved_tensors
+                return 2 * (g.sum(1, keepdim=True) * a - g @ b), 2 * (g.sum(0)[:, None] * b - g.T @ a)
+        return Nan
+    assert "inf/NaN" in fails("02.make_sqdist", nan_under_autocast)
+
+
+def test_find_fp32_islands_says_what_an_empty_list_misses():
+    msg = fails("02.find_fp32_islands", lambda model, x, device_type, dtype: [])
+    assert "returned []; expected [" in msg and "missed" in msg
+
+
+# --------------------------------------------------------------------------- the kernel side holds no check module
+
+@pytest.mark.parametrize("chapter", ["00", "01", "02", "06", "09"])
+def test_probes_run_without_the_check_modules(chapter):
+    """The grader's kernel has no course_lib/tooling/checks: the probes must not need it, nor its references."""
+    code = (f"import sys, course_lib.tooling.probes.ch{chapter}\n"
+            "bad = [m for m in sys.modules if m.startswith('course_lib.tooling.checks')]\n"
+            "assert not bad, bad")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-600:]
+    assert all("run" not in type(c).__dict__ for c in checks_for(chapter))

@@ -12,6 +12,9 @@ import random
 import statistics
 import time
 
+import pytest
+from test_checks import passes_in_a_separate_kernel, separate_kernel  # the kernel in another process
+
 from course_lib.chapters.traces import diagnose
 from course_lib.tooling.checks import ch06
 from course_lib.tooling.grading import run_check
@@ -226,3 +229,122 @@ def test_time_it_rejects_seconds_and_a_missing_spread():
         r = time_it(fn, sync, warmup, iters)
         return r["median_ms"], r["q1_ms"], r["q3_ms"]
     assert "expected a dict" in fails("06.time_it", a_tuple)
+
+
+# --------------------------------------------------------------------------- the durations stay in the grader
+
+TIME_IT = """
+import statistics, time
+def time_it(fn, sync, warmup=3, iters=10):
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1000)
+    q1, median, q3 = statistics.quantiles(times, n=4)
+    return {"median_ms": median, "q1_ms": q1, "q3_ms": q3}
+"""
+# Shortcuts that read the durations instead of timing: each found them in what the kernel held before.
+READS_THE_CLOSURE = """
+import statistics
+def time_it(fn, sync, warmup=3, iters=10):
+    cells = [c.cell_contents for c in fn.__closure__ or ()]
+    seconds = next(v for v in cells if isinstance(v, list) and len(v) == warmup + iters)
+    for _ in range(warmup + iters):
+        fn()
+        sync()
+    q1, median, q3 = statistics.quantiles([1000 * s for s in seconds[warmup:]], n=4)
+    return {"median_ms": median, "q1_ms": q1, "q3_ms": q3}
+"""
+PATCHES_SLEEP = """
+import statistics, time
+def time_it(fn, sync, warmup=3, iters=10):
+    asked, real = [], time.sleep
+    time.sleep = lambda s: (asked.append(s), real(s))[1]
+    try:
+        for _ in range(warmup):
+            fn()
+        sync()
+        asked.clear()
+        for _ in range(iters):
+            fn()
+            sync()
+    finally:
+        time.sleep = real
+    q1, median, q3 = statistics.quantiles([1000 * s for s in asked], n=4)
+    return {"median_ms": median, "q1_ms": q1, "q3_ms": q3}
+"""
+SCANS_GC = """
+import gc, statistics
+def time_it(fn, sync, warmup=3, iters=10):
+    for _ in range(warmup + iters):
+        fn()
+        sync()
+    case = next(o for o in gc.get_objects() if isinstance(o, dict) and o.get("warmup") == warmup
+                and isinstance(o.get("seconds"), list))
+    q1, median, q3 = statistics.quantiles([1000 * s for s in case["seconds"][warmup:]], n=4)
+    return {"median_ms": median, "q1_ms": q1, "q3_ms": q3}
+"""
+
+
+def test_time_it_passes_in_a_separate_kernel_that_never_sees_the_durations():
+    passes_in_a_separate_kernel("06.time_it", TIME_IT)
+
+
+@pytest.mark.parametrize("source", [READS_THE_CLOSURE, PATCHES_SLEEP, SCANS_GC], ids=["closure", "patched sleep", "gc"])
+def test_time_it_rejects_reading_the_durations_in_the_kernel(source):
+    status, message = separate_kernel("06.time_it", source)
+    assert status == "failed", message
+
+
+@pytest.mark.parametrize("source", [READS_THE_CLOSURE, PATCHES_SLEEP], ids=["closure", "patched sleep"])
+def test_time_it_rejects_reading_the_durations_inline_too(source):
+    namespace = {"__name__": "__main__"}
+    exec(source, namespace)
+    fails("06.time_it", namespace["time_it"])
+
+
+def test_time_it_reference_cannot_be_stretched_by_waiting_before_sync():
+    """The grader measures each call from queued to done; a helper that dawdles before sync() and then
+    answers a constant does not move the reference to its constant."""
+    def dawdles(fn, sync, warmup=3, iters=10):
+        for _ in range(warmup):
+            fn()
+        sync()
+        for _ in range(iters):
+            fn()
+            time.sleep(0.06)
+            sync()
+        return {"median_ms": 60.0, "q1_ms": 60.0, "q3_ms": 60.0}
+    assert "returned median_ms=60.0" in fails("06.time_it", dawdles)
+
+
+def test_time_it_public_case_holds_no_durations_and_host_counts_calls():
+    from course_lib.tooling.grading import CheckFailure, get_check
+    check = get_check("06.time_it")
+    case = check.cases(random.Random(0))[0]
+    assert check.public(case) == {"warmup": case["warmup"], "iters": case["iters"]}
+    check.host(case, {"call": "fn"})
+    check.host(case, {"call": "sync"})
+    assert case["_device"]["log"] == "fs" and case["_device"]["ran_ms"][0] >= 1000 * case["seconds"][0]
+    with pytest.raises(CheckFailure):
+        check.host(case, {"call": "fn", "calls": 1})  # a count sent by the kernel is not taken
+
+
+# --------------------------------------------------------------------------- answers of the wrong shape
+
+@pytest.mark.parametrize("answer", [(), ("data",), ("data", "more_workers", "now")])
+def test_diagnose_step_rejects_anything_but_a_pair(answer):
+    assert "expected a pair (bottleneck, fix)" in fails("06.diagnose_step", lambda p: answer)
+
+
+@pytest.mark.parametrize("value", [[], [12.0], "12", float("nan")])
+def test_time_it_rejects_quartiles_that_are_not_finite_numbers(value):
+    def wrong(fn, sync, warmup=3, iters=10):
+        r = time_it(fn, sync, warmup, iters)
+        return {**r, "q1_ms": value}
+    assert "which is not a number of ms" in fails("06.time_it", wrong)

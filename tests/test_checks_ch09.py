@@ -256,3 +256,21 @@ def test_the_checks_have_points_and_hints():
     checks = {c.name: c for c in checks_for("09")}
     assert list(checks) == ["09.speed_up", "09.first_overflow", "09.mfu"]
     assert checks["09.speed_up"].points >= 3 and all(c.hint for c in checks.values())
+
+
+# --------------------------------------------------------------------------- answers of the wrong shape
+
+@pytest.mark.parametrize("answer", [[], ["fc3"], ["fc3", "act3"]])
+def test_first_overflow_rejects_a_list_instead_of_one_name(answer):
+    assert "expected the name of one layer (a string) or None" in fails("09.first_overflow", lambda rows: answer)
+
+
+@pytest.mark.parametrize("answer", [[], [0.33], float("nan"), float("inf")])
+def test_mfu_rejects_anything_but_one_finite_number(answer):
+    assert "expected a number" in fails("09.mfu", lambda *args: answer)
+
+
+@pytest.mark.parametrize("answer", [[], [("detect_anomaly", False)], None])
+def test_speed_up_rejects_anything_but_a_dict(cost_model, answer):
+    assert "expected a dict of the script's settings" in fails("09.speed_up", lambda slow: answer)
+    assert not cost_model  # refused before anything is measured

@@ -1,13 +1,14 @@
 """Checks for exercise 00 (setup and hardware). Inputs are drawn fresh by the grader; the
-reference answers are computed in the grader's process (see course_lib.tooling.grading)."""
+reference answers are computed in the grader's process (see course_lib.tooling.grading).
+The kernel side is course_lib/tooling/probes/ch00.py."""
 from __future__ import annotations
 
 import random
 import statistics
-import time
+from time import perf_counter, sleep  # bound now: a learner who patches time.sleep inline sees no duration
 
 from ...device import recommend_precision
-from ..grading import Check, CheckFailure, register
+from ..grading import Check, CheckFailure, expect_dict, expect_list, expect_number, register
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
@@ -29,17 +30,17 @@ class ChoosePrecision(Check):
         made_up = [(rng.randint(8, 15), rng.randint(0, 9)) for _ in range(3)] + [(rng.randint(1, 6), rng.randint(0, 9))]
         return [list(cc) for cc in rng.sample(REAL_CAPABILITIES, len(REAL_CAPABILITIES)) + made_up]
 
-    def run(self, case: list, choose_precision) -> object:
-        return choose_precision(tuple(case))
-
     def describe(self, case: list) -> str:
         return f"choose_precision({tuple(case)})"
 
     def judge(self, cases: list, results: list) -> None:
-        for cc, got in zip(cases, results):
+        for cc, got in zip(cases, expect_list(results, "choose_precision's answers", len(cases))):
             want = recommend_precision(capability=tuple(cc))
             expected = (want.precision, want.use_grad_scaler)
             shown = tuple(got) if isinstance(got, list) else got
+            if not (isinstance(got, list) and len(got) == 2):
+                raise CheckFailure(f"choose_precision({tuple(cc)}) returned {shown!r}; expected a pair (precision, "
+                                   f"use_grad_scaler), here {expected!r}")
             if shown != expected:
                 raise CheckFailure(f"choose_precision({tuple(cc)}) returned {shown!r}, expected {expected!r}")
 
@@ -70,46 +71,46 @@ class MedianStepMs(Check):
     def cases(self, rng: random.Random) -> list:
         return [_timing_case(rng) for _ in range(2)]
 
-    def run(self, case: dict, median_step_ms) -> dict:
-        seconds, calls = case["seconds"], []
+    def public(self, case: dict) -> dict:
+        return {"warmup": case["warmup"], "iters": case["iters"]}  # the durations stay here
 
-        def fn() -> None:
-            t0 = time.perf_counter()
-            time.sleep(seconds[min(len(calls), len(seconds) - 1)])
-            calls.append(1000 * (time.perf_counter() - t0))
-
-        got = median_step_ms(fn, warmup=case["warmup"], iters=case["iters"])
-        return {"ms": got, "calls": len(calls), "slept_ms": calls}
+    def host(self, case: dict, request: object) -> None:
+        """The probe's fn() asks for one call: sleep its duration, and record the call and what it took."""
+        if request != {"call": "fn"}:
+            raise CheckFailure(f"{self.name} answers only fn's calls, not {request!r}")
+        slept = case.setdefault("_slept_ms", [])  # one entry per call of fn, counted here, not in the kernel
+        seconds = case["seconds"]
+        t0 = perf_counter()
+        sleep(seconds[min(len(slept), len(seconds) - 1)])
+        slept.append(1000 * (perf_counter() - t0))
 
     def describe(self, case: dict) -> str:
         return f"median_step_ms(fn, warmup={case['warmup']}, iters={case['iters']})"
 
     def judge(self, cases: list, results: list) -> None:
-        for case, r in zip(cases, results):
+        for case, r in zip(cases, expect_list(results, "median_step_ms's answers", len(cases))):
             w, n, ms = case["warmup"], case["iters"], [1000 * s for s in case["seconds"]]
             call = self.describe(case)
-            if r["calls"] != w + n:
-                raise CheckFailure(f"{call} called fn {r['calls']} times; expected warmup + iters = {w + n}")
-            got = r["ms"]
-            if isinstance(got, bool) or not isinstance(got, (int, float)):
-                raise CheckFailure(f"{call} returned {got!r}; expected a number of milliseconds")
+            slept = case.get("_slept_ms", [])  # the grader's own record of fn's calls (host)
+            if len(slept) != w + n:
+                raise CheckFailure(f"{call} called fn {len(slept)} times; expected warmup + iters = {w + n}")
+            got = expect_number(expect_dict(r, call, ("ms",))["ms"], f"{call}, the number of ms it returned")
             want = statistics.median(ms[w:])
             # sleep() overshoots, by several ms on a busy machine (the grader runs two notebooks at once):
-            # the allowance above is 25% + 2.5 ms over what the timed calls really slept (each counted
-            # at most 5 ms over the asked-for time, so a forged report cannot stretch it), 10% below
-            slept = r.get("slept_ms")
-            real = statistics.median(min(max(a, b), b + 5.0) for a, b in zip(slept[w:], ms[w:])) \
-                if isinstance(slept, list) and len(slept) == w + n and all(isinstance(a, float) for a in slept) \
-                else want
+            # the allowance above is 25% + 2.5 ms over what the timed calls really slept, as the grader
+            # measured them (each counted at most 5 ms over the asked-for time), 10% below
+            took = [min(max(a, b), b + 5.0) for a, b in zip(slept, ms, strict=True)]
+            real = statistics.median(took[w:])
             if want * 0.9 <= got <= real * 1.25 + 2.5:
                 continue
-            # say which familiar mistake the answer is closest to, if it is close to one
+            # say which familiar mistake the answer is closest to, if it is close to one (from what the
+            # calls really took: a busy machine's late wake-ups would move them out of reach)
             mistakes = {"that is the mean, which the one slow call pulls up; return the median":
-                        statistics.mean(ms[w:]),
+                        statistics.mean(took[w:]),
                         "that includes the warm-up calls, which are slow on purpose; time only the last `iters` "
-                        "calls": statistics.median(ms),
-                        "that is the fastest call; the median is the typical one": min(ms[w:]),
-                        "that looks like seconds; return milliseconds": want / 1000}
+                        "calls": statistics.median(took),
+                        "that is the fastest call; the median is the typical one": min(took[w:]),
+                        "that looks like seconds; return milliseconds": real / 1000}
             why, value = min(mistakes.items(), key=lambda kv: abs(got - kv[1]) / kv[1])
             if abs(got - value) > 0.1 * value:
                 why = "the median of the timed calls is the number asked for"

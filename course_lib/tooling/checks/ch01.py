@@ -1,5 +1,6 @@
 """Checks for exercise 01 (floating-point formats). torch's own conversions are the reference,
-computed in the grader's process; every check draws fresh inputs, so a hard-coded answer fails."""
+computed in the grader's process; every check draws fresh inputs, so a hard-coded answer fails.
+The kernel side is course_lib/tooling/probes/ch01.py."""
 from __future__ import annotations
 
 import math
@@ -9,7 +10,7 @@ import numpy as np
 import torch
 
 from ...chapters.formats import all_values, bit_string, get_format, overflow_threshold
-from ..grading import Check, CheckFailure, register
+from ..grading import Check, CheckFailure, expect_list, expect_numbers, register
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
@@ -49,6 +50,7 @@ class DecodeFp16(Check):
         return f"decode_fp16({case:#06x})"
 
     def judge(self, cases: list, results: list) -> None:
+        expect_list(results, "decode_fp16's answers", len(cases))
         bad_type = next((c for c, r in zip(cases, results) if isinstance(r, bool) or not isinstance(r, (int, float))),
                         None)
         if bad_type is not None:
@@ -103,6 +105,7 @@ class RoundToBf16(Check):
         inputs = torch.tensor(cases, dtype=torch.int64)
         x = torch.where(inputs >= 2 ** 31, inputs - 2 ** 32, inputs).to(torch.int32).view(torch.float32)
         want = (x.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF).tolist()
+        expect_list(results, "round_to_bf16's answers", len(cases))
         for u, r, w, nan, xf in zip(cases, results, want, torch.isnan(x).tolist(), x.tolist()):
             if isinstance(r, bool) or not isinstance(r, int):
                 raise CheckFailure(f"round_to_bf16({u:#010x}) returned {r!r}, not an int bit pattern")
@@ -162,14 +165,11 @@ class FpFate(Check):
         rng.shuffle(cases)
         return cases
 
-    def run(self, case: list, fp_fate) -> object:
-        return fp_fate(case[0], case[1])
-
     def describe(self, case: list) -> str:
         return f"fp_fate({case[0]!r}, {case[1]!r})"
 
     def judge(self, cases: list, results: list) -> None:
-        for (x, fmt), got in zip(cases, results):
+        for (x, fmt), got in zip(cases, expect_list(results, "fp_fate's answers", len(cases))):
             want, stored = _torch_fate(x, fmt)
             if got != want:
                 raise CheckFailure(f"fp_fate({x!r}, {fmt!r}) returned {got!r}, but {fmt} stores this number as "
@@ -199,21 +199,17 @@ class Bf16DotErrors(Check):
             out.append({"x": x.tolist(), "y": y.tolist(), "scale": scale})  # float32 values, exact as Python floats
         return out
 
-    def run(self, case: dict, bf16_dot_errors) -> object:
-        x, y = torch.tensor(case["x"], dtype=torch.float32), torch.tensor(case["y"], dtype=torch.float32)
-        return bf16_dot_errors(x, y)
-
     def describe(self, case: dict) -> str:
         return f"bf16_dot_errors on {len(case['x'])} values of scale {case['scale']:.3g}"
 
     def judge(self, cases: list, results: list) -> None:
-        for case, got in zip(cases, results):
+        for case, got in zip(cases, expect_list(results, "bf16_dot_errors's answers", len(cases))):
             x, y = torch.tensor(case["x"], dtype=torch.float32), torch.tensor(case["y"], dtype=torch.float32)
             where = self.describe(case)
-            if not (isinstance(got, list) and len(got) == 2
-                    and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in got)):
+            if not (isinstance(got, list) and len(got) == 2):
                 raise CheckFailure(f"{where}: returned {got!r}; expected a pair of numbers (mixed_error, naive_error)")
-            got_mixed, got_naive = got
+            # finite too: a NaN is never "further than the tolerance" from the reference
+            got_mixed, got_naive = expect_numbers(got, f"{where}: the pair (mixed_error, naive_error)", 2)
             ref = (x.double() * y.double()).sum().item()
             xb, yb = x.bfloat16(), y.bfloat16()
             prods = xb.double() * yb.double()  # exact: 8-bit times 8-bit significands

@@ -3,25 +3,19 @@ process, on fresh random cases, so a table memorised from another torch or devic
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from ...chapters.autocast_dtypes import module_dtypes
 from ...chapters.autocast_policy import LOW_PRECISION, fake_cuda_available, output_dtype
-from ..grading import Check, CheckFailure, register
+from ..grading import Check, CheckFailure, _kind, expect_dict, expect_list, register
+from ..probes.ch02 import MYSTERY, STANDARD, build, dtype_of
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
 # The ops of task 1, with how many floating-point inputs each takes (see OPS in autocast_policy).
 PREDICT_OPS = {"linear": 1, "matmul": 2, "relu": 1, "softmax": 1, "layer_norm": 1, "sum": 1,
                "mse_loss": 2, "add": 2, "cat": 2}
-
-
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -62,20 +56,16 @@ class PredictDtype(Check):
         rng.shuffle(cases)
         return cases
 
-    def run(self, case: list, predict_dtype) -> object:
-        op, device, low, ins = case
-        return predict_dtype(op, device, _dtype(low), tuple(_dtype(i) for i in ins))
-
     def describe(self, case: list) -> str:
         op, device, low, ins = case
         return f"predict_dtype({op!r}, {device!r}, torch.{low}, ({', '.join('torch.' + i for i in ins)},))"
 
     def judge(self, cases: list, results: list) -> None:
         wrong = []
-        for case, got in zip(cases, results):
+        for case, got in zip(cases, expect_list(results, "predict_dtype's answers", len(cases))):
             op, device, low, ins = case
             fake = device == "cuda" and not torch.cuda.is_available()
-            want = _name(output_dtype(op, device, _dtype(low), [_dtype(i) for i in ins], fake=fake))
+            want = _name(output_dtype(op, device, dtype_of(low), [dtype_of(i) for i in ins], fake=fake))
             if got != {"dtype": want}:
                 shown = f"torch.{got['dtype']}" if isinstance(got, dict) and "dtype" in got else repr(got)
                 wrong.append(f"{self.describe(case)} returned {shown}, autocast gives torch.{want}")
@@ -97,6 +87,19 @@ def _clustered(n: int, m: int, d: int, rng: random.Random) -> tuple[list, list]:
 def _sqdist64(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     # The reference: differences first (no cancellation), in float64.
     return ((a.double()[:, None, :] - b.double()[None, :, :]) ** 2).sum(-1)
+
+
+def _tensor(value: object, where: str, what: str, shape: tuple[int, ...], of: str) -> torch.Tensor:
+    """A tensor the probe sent back ({"array": ..., "dtype": ...}) as float64, of `shape`, all finite."""
+    if not (isinstance(value, dict) and isinstance(value.get("array"), list)):
+        raise CheckFailure(f"{where}: expected {what} to be a {shape} tensor of {of}, got {_kind(value)}")
+    t = torch.tensor(value["array"], dtype=torch.float64)
+    if tuple(t.shape) != shape:
+        raise CheckFailure(f"{where}: expected {what} to be a {shape} tensor of {of}, got shape {tuple(t.shape)}")
+    if not torch.isfinite(t).all():  # a NaN compares as "not far off" in an error bound: rule it out first
+        raise CheckFailure(f"{where}: {what} holds {int((~torch.isfinite(t)).sum())} inf/NaN values; expected "
+                           f"finite {of}")
+    return t
 
 
 @register
@@ -123,53 +126,34 @@ class MakeSqdist(Check):
                                   "g": torch.rand(n, m, generator=g, dtype=torch.float64).tolist()})
         return cases
 
-    def run(self, case: dict, make_sqdist) -> object:
-        device = case["device"]
-        fn_cls = make_sqdist(device)
-        if not (isinstance(fn_cls, type) and issubclass(fn_cls, torch.autograd.Function)):
-            return {"not_function": repr(fn_cls)[:100]}
-        dtype = _dtype(case["dtype"])
-        a = torch.tensor(case["a"], dtype=torch.float64).to(device, dtype).requires_grad_()
-        b = torch.tensor(case["b"], dtype=torch.float64).to(device, dtype).requires_grad_()
-        if case["autocast"] is None:
-            out = fn_cls.apply(a, b)
-            out.backward(torch.tensor(case["g"], dtype=torch.float64, device=device).to(out.dtype))
-        else:
-            with torch.autocast(device, dtype=_dtype(case["autocast"])):
-                out = fn_cls.apply(a, b)
-                # backward() inside the region on purpose: not the pattern to copy, but custom_bwd must survive it
-                out.backward(torch.tensor(case["g"], dtype=torch.float64, device=device).to(out.dtype))
-        return {"out": out.detach().double().cpu(), "out_dtype": out.dtype,
-                "grad_a": None if a.grad is None else a.grad.double().cpu(),
-                "grad_b": None if b.grad is None else b.grad.double().cpu()}
-
     def describe(self, case: dict) -> str:
         region = f"under torch.autocast({case['device']!r}, dtype=torch.{case['autocast']})" \
             if case["autocast"] else "outside autocast"
         return f"make_sqdist({case['device']!r}).apply(a, b) {region} with {case['dtype']} inputs"
 
     def judge(self, cases: list, results: list) -> None:
-        for case, r in zip(cases, results):
+        for case, r in zip(cases, expect_list(results, "make_sqdist's answers", len(cases))):
             where = self.describe(case)
-            if "not_function" in r:
+            if isinstance(r, dict) and "not_function" in r:
                 raise CheckFailure(f"make_sqdist({case['device']!r}) should return a torch.autograd.Function "
                                    f"subclass, got {r['not_function']}")
-            dtype = _dtype(case["dtype"])
+            r = expect_dict(r, where, ("out", "out_dtype", "grad_a", "grad_b"))
+            dtype = dtype_of(case["dtype"])
             a = torch.tensor(case["a"], dtype=torch.float64).to(dtype).double().requires_grad_()
             b = torch.tensor(case["b"], dtype=torch.float64).to(dtype).double().requires_grad_()
             ref = _sqdist64(a, b)
             ref.backward(torch.tensor(case["g"], dtype=torch.float64))
-            out = torch.tensor(r["out"]["array"], dtype=torch.float64)
-            if out.shape != ref.shape:
-                raise CheckFailure(f"{where}: expected an {tuple(ref.shape)} tensor of squared distances, "
-                                   f"got shape {tuple(out.shape)}")
-            grads = {name: None if r[f"grad_{name}"] is None else
-                     torch.tensor(r[f"grad_{name}"]["array"], dtype=torch.float64) for name in ("a", "b")}
+            out = _tensor(r["out"], where, "the output", tuple(ref.shape), "squared distances")
+            for name, x in (("a", a), ("b", b)):
+                if r[f"grad_{name}"] is None:
+                    raise CheckFailure(f"{where}: {name}.grad is None after backward")
+            grads = {name: _tensor(r[f"grad_{name}"], where, f"{name}.grad", tuple(x.shape), "gradients")
+                     for name, x in (("a", a), ("b", b))}
             if case["autocast"] is None:
                 if not torch.allclose(out, ref, rtol=1e-9, atol=1e-9):
                     raise CheckFailure(f"{where}: the forward does not compute ||a_i - b_j||^2")
                 for name, x in (("a", a), ("b", b)):
-                    if grads[name] is None or not torch.allclose(grads[name], x.grad, rtol=1e-7, atol=1e-9):
+                    if not torch.allclose(grads[name], x.grad, rtol=1e-7, atol=1e-9):
                         raise CheckFailure(f"{where}: the gradient for {name} is wrong (compare your backward with "
                                            "the formulas in the task)")
                 continue
@@ -181,8 +165,6 @@ class MakeSqdist(Check):
                 raise CheckFailure(f"{where}: the distances are off by up to {err:.3g}: the forward ran in low "
                                    "precision (cast_inputs=torch.float32 makes it run in fp32 with autocast off)")
             for name, x in (("a", a), ("b", b)):
-                if grads[name] is None:
-                    raise CheckFailure(f"{where}: {name}.grad is None after backward")
                 gerr, scale = (grads[name] - x.grad).abs().max().item(), x.grad.abs().max().item()
                 if gerr > 1e-3 * (1 + scale) + (0 if case["dtype"] == "float32" else 1e-2 * scale):
                     raise CheckFailure(f"{where}, with backward() called inside the region: {name}.grad is off by "
@@ -191,70 +173,6 @@ class MakeSqdist(Check):
 
 
 # --------------------------------------------------------------------------- task 3
-
-_CHANNELS, _LENGTH = 4, 6
-
-
-def _up(x: torch.Tensor) -> torch.Tensor:
-    return x.float()
-
-
-def _l1(x: torch.Tensor) -> torch.Tensor:
-    return F.l1_loss(x, torch.zeros_like(x), reduction="none")
-
-
-def _prod(x: torch.Tensor) -> torch.Tensor:
-    return torch.prod(x.unsqueeze(-1), dim=-1)
-
-
-def _exp(x: torch.Tensor) -> torch.Tensor:
-    return torch.exp(x.clamp(max=4))
-
-
-def _softmax(x: torch.Tensor) -> torch.Tensor:
-    return F.softmax(x, dim=1)
-
-
-def _reflect(x: torch.Tensor) -> torch.Tensor:
-    return F.pad(x, (1, 1), mode="reflect")[..., 1:-1]
-
-
-def _double(x: torch.Tensor) -> torch.Tensor:
-    return x * 2
-
-
-def _down(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float16) if x.dtype == torch.float32 else x
-
-
-# Forwards of "mystery" modules: classes with random names whose behaviour only running them reveals.
-MYSTERY = {"f0": _up, "f1": _l1, "f2": _prod, "f3": _exp, "f4": _softmax, "f5": _reflect, "f6": _double, "f7": _down}
-STANDARD = {
-    "conv": lambda: nn.Conv1d(_CHANNELS, _CHANNELS, 1), "conv3": lambda: nn.Conv1d(_CHANNELS, _CHANNELS, 3, padding=1),
-    "reflectpad": lambda: nn.ReflectionPad1d(1), "replicatepad": lambda: nn.ReplicationPad1d(1),
-    "groupnorm": lambda: nn.GroupNorm(1, _CHANNELS), "softmax": lambda: nn.Softmax(dim=1),
-    "upsample": lambda: nn.Upsample(scale_factor=2), "relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh,
-    "identity": nn.Identity, "constpad": lambda: nn.ConstantPad1d(1, 0.0), "maxpool": lambda: nn.MaxPool1d(1),
-}
-
-
-def _mystery(key: str, class_name: str) -> nn.Module:
-    forward = MYSTERY[key]
-    cls = type(class_name, (nn.Module,), {"forward": lambda self, x: forward(x)})
-    return cls()
-
-
-def _build(spec: dict) -> tuple[nn.Module, torch.Tensor]:
-    def make(item: list) -> nn.Module:
-        return _mystery(item[1], item[2]) if item[0] == "mystery" else STANDARD[item[0]]()
-
-    torch.manual_seed(spec["seed"])
-    parts = OrderedDict((name, make(items[0]) if name in ("stem", "head") else nn.Sequential(*map(make, items)))
-                        for name, items in spec["parts"])
-    model = nn.Sequential(parts).to(spec["device"])
-    x = torch.randn(2, _CHANNELS, _LENGTH, generator=torch.Generator().manual_seed(spec["seed"])).to(spec["device"])
-    return model, x
-
 
 def _random_spec(rng: random.Random, device: str, dtype: torch.dtype) -> dict:
     def item() -> list:
@@ -273,8 +191,8 @@ def _random_spec(rng: random.Random, device: str, dtype: torch.dtype) -> dict:
 
 
 def _islands(spec: dict) -> tuple[set[str], set[str]]:
-    model, x = _build(spec)
-    rows = module_dtypes(model, x, device_type=spec["device"], dtype=_dtype(spec["dtype"]))
+    model, x = build(spec)
+    rows = module_dtypes(model, x, device_type=spec["device"], dtype=dtype_of(spec["dtype"]))
     islands = {r.name for r in rows if r.in_dtype in LOW_PRECISION and r.out_dtype == torch.float32}
     followers = {r.name for r in rows if r.in_dtype == torch.float32 and r.out_dtype == torch.float32}
     return islands, followers
@@ -300,15 +218,11 @@ class FindFp32Islands(Check):
                 return cases
         raise RuntimeError("no suitable random model was generated")
 
-    def run(self, case: dict, find_fp32_islands) -> object:
-        model, x = _build(case)
-        return find_fp32_islands(model, x, case["device"], _dtype(case["dtype"]))
-
     def describe(self, case: dict) -> str:
         return f"find_fp32_islands(model, x, {case['device']!r}, torch.{case['dtype']})"
 
     def judge(self, cases: list, results: list) -> None:
-        for spec, got in zip(cases, results):
+        for spec, got in zip(cases, expect_list(results, "find_fp32_islands's answers", len(cases))):
             if not isinstance(got, list) or not all(isinstance(n, str) for n in got):
                 raise CheckFailure(f"{self.describe(spec)} returned {got!r}; expected a list of module names")
             if len(set(got)) != len(got):
@@ -316,7 +230,7 @@ class FindFp32Islands(Check):
             want, _ = _islands(spec)
             if set(got) != want:
                 extra, missing = sorted(set(got) - want), sorted(want - set(got))
-                layers = ", ".join(f"{n}: {type(m).__name__}" for n, m in _build(spec)[0].named_modules()
+                layers = ", ".join(f"{n}: {type(m).__name__}" for n, m in build(spec)[0].named_modules()
                                    if not list(m.children()))
                 raise CheckFailure(f"{self.describe(spec)} for the model [{layers}] returned {sorted(got)!r}; "
                                    f"expected {sorted(want)!r}" + (f" ({extra} are not islands)" if extra else "")

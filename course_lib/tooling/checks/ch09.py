@@ -7,6 +7,7 @@ speed-up, the samples trained on and the test accuracy it measured. Nothing the 
 measures or prints is used: only the settings.
 
 09.first_overflow and 09.mfu: property checks on fresh random inputs, answers computed here.
+The kernel side is course_lib/tooling/probes/ch09.py.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import sys
 import threading
 
 from ...chapters import speedup
-from ..grading import Check, CheckFailure, in_fresh_process, register
+from ..grading import Check, CheckFailure, expect_list, in_fresh_process, register
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
@@ -100,14 +101,11 @@ class SpeedUp(Check):
         return [{**speedup.SLOW, "seed": rng.randrange(10**6), "batch_size": rng.choice([24, 32, 40]),
                  "lr": rng.choice([1e-3, 2e-3, 3e-3])}]
 
-    def run(self, case: dict, speed_up) -> object:
-        return speed_up(dict(case))
-
     def describe(self, case: dict) -> str:
         return f"speed_up(slow) with seed={case['seed']}, batch_size={case['batch_size']}, lr={case['lr']:g}"
 
     def judge(self, cases: list, results: list) -> None:
-        for slow, got in zip(cases, results):
+        for slow, got in zip(cases, expect_list(results, "speed_up's answers", len(cases))):
             fast = validate(got, slow)
             with _MEASURING:
                 m = measure_in_fresh_process(slow, fast)
@@ -172,15 +170,15 @@ class FirstOverflow(Check):
         rng.shuffle(plan)
         return [_trace(rng, dtype, kind) for kind, dtype in plan]
 
-    def run(self, case: list, first_overflow) -> object:
-        return first_overflow([dict(r) for r in case])
-
     def describe(self, case: list) -> str:
         return f"first_overflow(<a trace of {len(case)} layers in {case[0]['dtype']}>)"
 
     def judge(self, cases: list, results: list) -> None:
-        for rows, got in zip(cases, results):
+        for rows, got in zip(cases, expect_list(results, "first_overflow's answers", len(cases))):
             want = first_overflow_reference(rows)
+            if got is not None and not isinstance(got, str):
+                raise CheckFailure(f"first_overflow returned {got!r} for a {rows[0]['dtype']} trace; expected the "
+                                   f"name of one layer (a string) or None, here {want!r}")
             if got != want:
                 table = "; ".join(f"{r['name']} {r['max_abs']:g} ({r['nonfinite']} inf/NaN)" for r in rows)
                 raise CheckFailure(f"first_overflow returned {got!r} for a {rows[0]['dtype']} trace whose rows are "
@@ -188,9 +186,6 @@ class FirstOverflow(Check):
 
 
 # --------------------------------------------------------------------------- 09.mfu
-
-MFU_ARGS = ("n_params", "n_layer", "n_embd", "seq_len", "batch", "step_ms", "peak_tflops")
-
 
 def mfu_reference(n_params: int, n_layer: int, n_embd: int, seq_len: int, batch: int, step_ms: float,
                   peak_tflops: float) -> float:
@@ -217,14 +212,11 @@ class Mfu(Check):
                         "peak_tflops": rng.choice([65.0, 121.0, 312.0, 989.4, 19.5, 66.9])})
         return out
 
-    def run(self, case: dict, mfu) -> object:
-        return mfu(*(case[k] for k in MFU_ARGS))  # in the order the task gives
-
     def describe(self, case: dict) -> str:
         return "mfu(" + ", ".join(f"{k}={v!r}" for k, v in case.items()) + ")"
 
     def judge(self, cases: list, results: list) -> None:
-        for case, got in zip(cases, results):
+        for case, got in zip(cases, expect_list(results, "mfu's answers", len(cases))):
             want = mfu_reference(**case)
             if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isfinite(got):
                 raise CheckFailure(f"{self.describe(case)} returned {got!r}; expected a number (a fraction)")
