@@ -7,6 +7,7 @@ sees their calls.
 """
 from __future__ import annotations
 
+import json
 import math
 import random
 import struct
@@ -246,3 +247,70 @@ def clipped_step(model, optimizer, scaler, loss, max_norm):
     return RIGHT(model, optimizer, scaler, loss, max_norm)
 """, "clipped_step", Trainer=Trainer, TrainConfig=TrainConfig, RIGHT=step())
     assert "course_lib" in fails("03.clipped_step", via_trainer)
+
+
+# --------------------------------------------------------------------------- answers of the wrong shape
+# The batch grader only sees what the learner's kernel sends back, and the kernel can send anything
+# (its probe can be replaced): every answer is checked for its shape before it is compared.
+
+def judged(name: str, results: list, seed: int = 5) -> tuple[str, str]:
+    """The grader's verdict on `results` sent back for the cases it drew with `seed`."""
+    from course_lib.tooling.grading import get_check, judge_response
+    check = get_check(name)
+    cases = check.cases(random.Random(seed))
+    return judge_response(check, cases, json.loads(json.dumps({"results": results(cases)})))
+
+
+def right_results(name: str, fn, seed: int = 5) -> list:
+    """What an honest kernel running `fn` sends back for the cases drawn with `seed`."""
+    from course_lib.tooling.grading import get_check, respond
+    check = get_check(name)
+    response = json.loads(json.dumps(respond(check, check.cases(random.Random(seed)), {check.args[0]: fn})))
+    return response["results"]
+
+
+def test_update_scale_rejects_an_empty_list_per_case():
+    status, message = judged("03.update_scale", lambda cases: [[] for _ in cases])
+    assert status == "failed" and "expected a list of" in message and "got a list of 0" in message, message
+
+
+def test_update_scale_rejects_a_trajectory_one_step_short():
+    honest = right_results("03.update_scale", rule())
+    status, message = judged("03.update_scale", lambda cases: [r[:-1] for r in honest])
+    assert status == "failed" and "expected a list of" in message, message
+
+
+def test_update_scale_rejects_triples_and_nan_scales():
+    honest = right_results("03.update_scale", rule())
+    status, message = judged("03.update_scale", lambda cases: [[[*p, 0] for p in r] for r in honest])
+    assert status == "failed" and "expected a list of 2" in message, message
+    nan_scale = notebook_function("def update_scale(scale, tracker, *args):\n    return math.nan, 0\n", "update_scale")
+    message = fails("03.update_scale", nan_scale)
+    assert "expected a finite" in message and "got nan" in message, message
+    inf_tracker = notebook_function("def update_scale(scale, tracker, *args):\n    return scale, math.inf\n",
+                                    "update_scale")
+    assert "expected a finite number" in fails("03.update_scale", inf_tracker)
+
+
+def test_clipped_step_rejects_an_empty_list_per_case():
+    status, message = judged("03.clipped_step", lambda cases: [[] for _ in cases])
+    assert status == "failed" and "expected a list of" in message and "got a list of 0" in message, message
+
+
+def test_clipped_step_rejects_records_of_the_wrong_length():
+    honest = right_results("03.clipped_step", step())
+    short_run = [r[:-1] for r in honest]
+    assert judged("03.clipped_step", lambda cases: short_run)[0] == "failed"
+    fewer_params = [[{**s, "params": s["params"][:-1]} for s in r] for r in honest]
+    status, message = judged("03.clipped_step", lambda cases: fewer_params)
+    assert status == "failed" and "parameters" in message and "expected a list of" in message, message
+    no_grads = [[{**s, "grads": []} for s in r] for r in honest]
+    status, message = judged("03.clipped_step", lambda cases: no_grads)
+    assert status == "failed" and "expected a list of 4" in message, message
+    assert judged("03.clipped_step", lambda cases: honest)[0] == "passed"
+
+
+def test_clipped_step_rejects_a_nan_norm_where_the_gradients_were_finite():
+    nan_norm = step(**{"    return norm": "    return math.nan"})
+    message = fails("03.clipped_step", nan_norm)
+    assert "expected a finite number" in message and "norm" in message, message

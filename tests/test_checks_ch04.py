@@ -149,3 +149,95 @@ def test_the_library_loop_itself_is_right():
 def test_the_check_has_points_and_a_hint():
     (check,) = checks_for("04")
     assert check.points >= 2 and "len(y)" in check.hint
+
+
+# --------------------------------------------------------------------------- what the gradients alone cannot show
+
+CONCATENATED = HEADER + """
+    optimizer.zero_grad()
+    x = torch.cat([x for x, _ in micro_batches])
+    y = torch.cat([y for _, y in micro_batches])
+    with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
+        loss = loss_fn(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+"""
+
+
+def test_one_pass_over_the_concatenated_micro_batches_fails():
+    # its gradient is the large batch's, exactly: only the forwards it runs tell it from accumulation
+    message = fails(notebook_function(CONCATENATED))
+    assert "one forward per micro-batch" in message and "concatenated" in message, message
+
+
+def test_one_backward_of_the_summed_losses_fails():
+    # a forward per micro-batch, but every graph kept alive until one backward at the end
+    summed = HEADER + """
+    optimizer.zero_grad()
+    losses = []
+    for x, y in micro_batches:
+        with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
+            losses.append(loss_fn(model(x), y) * (len(y) / total))
+    scaler.scale(sum(losses)).backward()
+    scaler.step(optimizer)
+    scaler.update()
+"""
+    message = fails(notebook_function(summed))
+    assert "backward ran 1 time(s)" in message, message
+
+
+UNSCALE_THEN_STEP = RIGHT.replace("    scaler.step(optimizer)\n",
+                                  "    scaler.unscale_(optimizer)\n    optimizer.step()\n")
+
+
+def test_unscale_then_optimizer_step_fails_on_the_overflowing_case():
+    # right on every case whose gradients are finite; on the overflowing one it applies infs
+    assert UNSCALE_THEN_STEP != RIGHT
+    message = fails(notebook_function(UNSCALE_THEN_STEP))
+    assert "overflowed" in message and "scaler.step(optimizer)" in message, message
+
+
+def test_the_overflowing_case_makes_the_right_loop_skip_its_step_and_back_off():
+    from course_lib.tooling.probes.ch04 import run_loop
+    (check,) = checks_for("04")
+    for seed in range(3):
+        (case,) = [c for c in check.cases(random.Random(seed)) if c["overflow"]]
+        assert case["precision"] == "fp16"
+        done = run_loop(case, notebook_function(RIGHT))
+        assert done["steps"] == 0 and done["updates"] == 1 and done["grads"] is None
+        assert done["scale"] == case["init_scale"] / 2
+
+
+def test_backward_inside_autocast_fails():
+    inside = RIGHT.replace("        scaler.scale(loss).backward()\n", "            scaler.scale(loss).backward()\n")
+    assert inside != RIGHT
+    message = fails(notebook_function(inside))
+    assert "backward passes ran with autocast on" in message, message
+
+
+def test_step_and_update_inside_autocast_fail():
+    inside = HEADER + """
+    optimizer.zero_grad()
+    with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
+        for x, y in micro_batches:
+            loss = loss_fn(model(x), y) * (len(y) / total)
+            with torch.autocast(device_type, enabled=False):
+                scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+"""
+    message = fails(notebook_function(inside))
+    assert "the optimizer step ran with autocast on" in message, message
+
+
+def test_answers_of_the_wrong_shape_fail():
+    import json
+
+    from course_lib.tooling.grading import get_check, judge_response
+    check = get_check(NAME)
+    cases = check.cases(random.Random(4))
+    for results, says in (([{} for _ in cases], "lacks"), ([[] for _ in cases], "expected a dict"),
+                          (None, "do not match")):
+        status, message = judge_response(check, cases, json.loads(json.dumps({"results": results})))
+        assert status == "failed" and says in message, message

@@ -180,3 +180,100 @@ def test_judging_in_threads_is_safe():
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+# --------------------------------------------------------------------------- autocast and skipped steps
+
+ALL_INSIDE = '''
+def train_two_models(model0, model1, opt0, opt1, scaler, batches, max_norm, dtype):
+    for x, y in batches:
+        opt0.zero_grad()
+        opt1.zero_grad()
+        with torch.autocast(x.device.type, dtype=dtype):
+            out0, out1 = model0(x), model1(x)
+            loss0 = F.mse_loss(2 * out0 + 3 * out1, y)
+            loss1 = F.mse_loss(3 * out0 - 5 * out1, y)
+            scaler.scale(loss0).backward(retain_graph=True)
+            scaler.scale(loss1).backward()
+            scaler.unscale_(opt0)
+            torch.nn.utils.clip_grad_norm_(model0.parameters(), max_norm)
+            scaler.step(opt0)
+            scaler.step(opt1)
+            scaler.update()
+'''
+
+
+def test_a_loop_that_runs_everything_inside_autocast_fails():
+    # the same calls in the same order as FIXED, and (nearly) the same parameters: only the autocast
+    # state of each call tells them apart
+    message = verdict(notebook_function(ALL_INSIDE), seed=2)[1]
+    assert "ran with autocast on" in message, message
+    for name in ("backward()", "scaler.unscale_()", "clip_grad_norm_()", "scaler.step()", "scaler.update()"):
+        assert name in message, message
+
+
+@pytest.mark.parametrize("what", ["backward", "update"])
+def test_one_call_inside_autocast_is_enough_to_fail(what):
+    if what == "backward":  # the two backward calls moved into the with block
+        wrong = FIXED.replace("        scaler.scale(loss0).backward(retain_graph=True)\n        scaler.scale(loss1)",
+                              "            scaler.scale(loss0).backward(retain_graph=True)\n"
+                              "            scaler.scale(loss1)")
+        name = "backward()"
+    else:  # update() under a second autocast region of its own
+        wrong = FIXED.replace("        scaler.update()", "        with torch.autocast(x.device.type, dtype=dtype):\n"
+                                                          "            scaler.update()")
+        name = "scaler.update()"
+    assert wrong != FIXED
+    status, message = verdict(notebook_function(wrong), seed=4)
+    assert status == "failed" and "ran with autocast on" in message and name in message, message
+
+
+def test_the_last_case_makes_both_optimizers_skip_a_step():
+    from course_lib.tooling.checks.ch05 import _reference
+    from course_lib.tooling.probes.ch05 import record
+    check = checks_for("05")[0]
+    for seed in range(3):
+        case = check.cases(random.Random(seed))[-1]
+        done = record(case, notebook_function(FIXED), torch.float16)
+        assert max(done["steps"]) < case["iterations"], done["steps"]  # a skipped step for each optimizer
+        assert sum(c[0] == "scaler.step" for c in done["calls"]) == 2 * case["iterations"]  # yet called each time
+        want = _reference(case, torch.float16)  # the grader's own count, without the Recorder
+        assert done["steps"] == want["steps"] and done["scale"] == want["scale"]
+
+
+def respond_json(fn, seed: int) -> tuple:
+    import json
+
+    from course_lib.tooling.grading import get_check, respond
+    check = get_check(NAME)
+    cases = check.cases(random.Random(seed))
+    return check, cases, json.loads(json.dumps(respond(check, cases, {"train_two_models": fn})))["results"]
+
+
+def test_steps_that_were_not_skipped_on_an_overflow_fail():
+    # a kernel that reports every step as taken (as a loop stepping on infs would): the grader counts the
+    # steps a correct loop skips on the same case and compares them per optimizer
+    from course_lib.tooling.grading import judge_response
+    check, cases, honest = respond_json(notebook_function(FIXED), seed=6)
+    assert judge_response(check, cases, {"results": honest})[0] == "passed"
+    never_skipped = [{**r, "steps": [c["iterations"]] * 2} for r, c in zip(honest, cases)]
+    status, message = judge_response(check, cases, {"results": never_skipped})
+    assert status == "failed" and "skips the step exactly when" in message, message
+
+
+def test_answers_of_the_wrong_shape_fail():
+    from course_lib.tooling.grading import judge_response
+    check, cases, honest = respond_json(notebook_function(FIXED), seed=7)
+    wrong = {
+        "an empty list per case": ([[] for _ in cases], "expected a dict"),
+        "no calls": ([{**r, "calls": []} for r in honest], "scaler.update() ran 0 times"),
+        "calls without their autocast state": ([{**r, "calls": [c[:3] for c in r["calls"]]} for r in honest],
+                                               "expected a list of 4"),
+        "a parameter short": ([{**r, "params0": {**r["params0"], "array": r["params0"]["array"][:-1]}}
+                               for r in honest], "expected a list of"),
+        "NaN for the scale": ([{**r, "scale": float("nan")} for r in honest], "expected a finite number"),
+        "one step count": ([{**r, "steps": r["steps"][:1]} for r in honest], "expected a list of 2"),
+    }
+    for what, (results, says) in wrong.items():
+        status, message = judge_response(check, cases, {"results": results})
+        assert status == "failed" and says in message, f"{what}: {message}"

@@ -1,42 +1,21 @@
 """Checks for exercise 03 (GradScaler). The references run in the grader's process: task 1 drives a
 real torch.amp.GradScaler("cpu") through the overflow pattern it drew, task 2 runs a correct
-unscale-clip-step-update loop on the same model, data and scaler settings it drew."""
+unscale-clip-step-update loop on the same model, data and scaler settings it drew. The kernel side
+(what runs the learner's functions) is course_lib/tooling/probes/ch03.py; every answer that comes
+back is checked for its shape and type before it is compared."""
 from __future__ import annotations
 
-import contextlib
 import math
 import random
-from typing import Iterator
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ...chapters.scaler import f32, torch_trajectory
-from ..grading import Check, CheckFailure, register
+from ..grading import Check, CheckFailure, expect_dict, expect_list, expect_number, expect_numbers, register
+from ..probes.ch03 import BATCH, HIDDEN, IN, OUT, train_steps
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
-
-_KERNELS = ("_amp_update_scale_", "_amp_foreach_non_finite_check_and_unscale_")
-
-
-@contextlib.contextmanager
-def _kernels_off() -> Iterator[None]:
-    """While the learner's function runs, torch's own scaler kernels raise (the probe cannot see them:
-    they are C functions of module `torch`, like every other torch function)."""
-    saved = {name: getattr(torch, name) for name in _KERNELS}
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("GradScaler's own kernels (torch._amp_update_scale_ ...) are switched off while your "
-                           "function is checked: write the rule yourself")
-
-    for name in _KERNELS:
-        setattr(torch, name, refuse)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch, name, fn)
 
 
 def _factor(rng: random.Random, low: float, high: float) -> float:
@@ -81,42 +60,50 @@ class UpdateScale(Check):
         rng.shuffle(cases)
         return cases
 
-    def run(self, case: dict, update_scale) -> object:
-        scale, tracker, out = case["init_scale"], case["growth_tracker"], []
-        with _kernels_off():
-            for found_inf in case["found_inf"]:
-                result = update_scale(scale, tracker, found_inf, case["growth_factor"], case["backoff_factor"],
-                                      case["growth_interval"])
-                if not (isinstance(result, (tuple, list)) and len(result) == 2):
-                    return {"bad_return": repr(result)[:80], "at": len(out)}
-                scale, tracker = result
-                out.append([scale, tracker])
-        return out
-
     def describe(self, case: dict) -> str:
         return (f"init_scale={case['init_scale']!r}, growth_factor={case['growth_factor']!r}, "
                 f"backoff_factor={case['backoff_factor']!r}, growth_interval={case['growth_interval']}"
                 + (f", tracker starting at {case['growth_tracker']}" if case["growth_tracker"] else ""))
 
     def judge(self, cases: list, results: list) -> None:
+        expect_list(results, "the answers to the cases", len(cases))
         for case, got in zip(cases, results):
             where = self.describe(case)
             if isinstance(got, dict):
-                raise CheckFailure(f"with {where}: update_scale returned {got.get('bad_return')} at step "
-                                   f"{got.get('at', 0) + 1}; expected a pair (new_scale, new_tracker)")
+                got = expect_dict(got, f"with {where}", ("bad_return", "at"))
+                raise CheckFailure(f"with {where}: update_scale returned {got['bad_return']} at step "
+                                   f"{expect_number(got['at'], 'the step', integer=True) + 1}; expected a pair "
+                                   "(new_scale, new_tracker)")
+            steps = len(case["found_inf"])
+            expect_list(got, f"with {where}: the pairs (scale, tracker) after each of the {steps} steps", steps)
             want = torch_trajectory(case["found_inf"], case["init_scale"], case["growth_factor"],
                                     case["backoff_factor"], case["growth_interval"], case["growth_tracker"])
             scale, tracker = case["init_scale"], case["growth_tracker"]
-            for i, (pair, (w_scale, w_tracker)) in enumerate(zip(got, want)):
-                g_scale, g_tracker = pair
-                numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (g_scale, g_tracker))
-                if not numbers or g_scale != w_scale or g_tracker != w_tracker:
+            for i, (pair, (w_scale, w_tracker)) in enumerate(zip(got, want, strict=True)):
+                at = f"with {where}: at step {i + 1}"
+                g_scale, g_tracker = expect_list(pair, f"{at}, update_scale's answer (new_scale, new_tracker)", 2)
+                self._expect_pair(at, g_scale, g_tracker)
+                if g_scale != w_scale or g_tracker != w_tracker:
                     why = self._why(case, case["found_inf"][i], scale, tracker, g_scale, g_tracker, w_scale, w_tracker)
                     raise CheckFailure(
-                        f"with {where}: at step {i + 1} (found_inf={case['found_inf'][i]}, scale {scale!r}, "
+                        f"{at} (found_inf={case['found_inf'][i]}, scale {scale!r}, "
                         f"tracker {tracker}) torch's GradScaler gives ({w_scale!r}, {w_tracker}), "
                         f"update_scale returned ({g_scale!r}, {g_tracker!r}). {why}")
                 scale, tracker = w_scale, w_tracker
+
+    @staticmethod
+    def _expect_pair(at: str, g_scale: object, g_tracker: object) -> None:
+        """Two numbers: a scale that is not NaN (inf is diagnosed by _why) and a finite whole tracker."""
+        what = "Return two numbers: the new scale (a float) and the new tracker (an int)"
+        try:
+            expect_number(g_scale, f"{at}, the new scale", finite=False)
+            expect_number(g_tracker, f"{at}, the new tracker")
+        except CheckFailure as e:
+            raise CheckFailure(f"{e}. {what}.") from None
+        if math.isnan(g_scale):
+            raise CheckFailure(f"{at}, the new scale: expected a finite float32 value, got nan. {what}.")
+        if g_tracker != int(g_tracker):
+            raise CheckFailure(f"{at}, the new tracker: expected a whole number of clean steps, got {g_tracker!r}")
 
     @staticmethod
     def _why(case: dict, inf: bool, scale: float, tracker: int, g_scale: object, g_tracker: object,
@@ -155,35 +142,6 @@ class UpdateScale(Check):
 
 # --------------------------------------------------------------------------- task 2
 
-IN, HIDDEN, OUT, BATCH = 6, 12, 4, 16
-
-
-def _model(case: dict) -> nn.Module:
-    model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT))
-    with torch.no_grad():
-        for p, w in zip(model.parameters(), case["weights"]):
-            p.copy_(torch.tensor(w, dtype=torch.float32))
-    return model
-
-
-def _steps(case: dict, step_fn) -> list[dict]:
-    """Train a fresh copy of the case's model with `step_fn` doing the optimizer step; record each step."""
-    model = _model(case)
-    optimizer = torch.optim.SGD(model.parameters(), lr=case["lr"], momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu", init_scale=case["init_scale"], growth_interval=case["growth_interval"])
-    out = []
-    for x, y in zip(case["x"], case["y"]):
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = F.cross_entropy(model(torch.tensor(x)), torch.tensor(y))
-        norm = step_fn(model, optimizer, scaler, loss, case["max_norm"])
-        out.append({"norm": float(norm) if isinstance(norm, (int, float, torch.Tensor)) else repr(norm)[:60],
-                    "scale": scaler.get_scale(),
-                    "params": torch.cat([p.detach().flatten() for p in model.parameters()]).tolist(),
-                    "grads": [None if p.grad is None else p.grad.flatten().tolist() for p in model.parameters()]})
-    return out
-
-
 def _reference_step(model, optimizer, scaler, loss, max_norm):
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
@@ -220,32 +178,35 @@ class ClippedStep(Check):
                 if i in bad:
                     x[rng.randrange(BATCH), rng.randrange(IN)] = 1e6
                 xs.append(x.tolist())
-            model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT))
-            weights = [(torch.randn(p.shape, generator=g) * 0.5).tolist() for p in model.parameters()]
+            shapes = [(HIDDEN, IN), (HIDDEN,), (OUT, HIDDEN), (OUT,)]  # the parameters of probes.ch03.build_model
+            weights = [(torch.randn(shape, generator=g) * 0.5).tolist() for shape in shapes]
             cases.append({"weights": weights, "x": xs, "y": torch.randint(0, OUT, (steps, BATCH), generator=g).tolist(),
                           "init_scale": 2.0 ** rng.randint(2, 6), "growth_interval": rng.randint(2, 3),
                           "max_norm": rng.choice([0.05, 0.1] if k == 0 else [0.05, 0.1, 0.2, 0.5, 1.0, 100.0]),
                           "lr": rng.choice([0.05, 0.1])})
         return cases
 
-    def run(self, case: dict, clipped_step) -> object:
-        return _steps(case, clipped_step)
-
     def describe(self, case: dict) -> str:
         return (f"clipped_step on {len(case['x'])} steps (max_norm={case['max_norm']}, "
                 f"init_scale={case['init_scale']:g}, growth_interval={case['growth_interval']})")
 
     def judge(self, cases: list, results: list) -> None:
+        expect_list(results, "the answers to the cases", len(cases))
         for case, got in zip(cases, results):
-            want, where = _steps(case, _reference_step), self.describe(case)
-            for i, (g, w) in enumerate(zip(got, want)):
+            want, where = train_steps(case, _reference_step), self.describe(case)
+            expect_list(got, f"{where}: the record of each step", len(want))
+            numels = [torch.tensor(w).numel() for w in case["weights"]]
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
                 at = f"{where}, step {i + 1}"
+                g = _expect_step(g, at, numels)
                 if isinstance(g["norm"], str):
                     raise CheckFailure(f"{at}: clipped_step returned {g['norm']}; return the norm that "
                                        "clip_grad_norm_ returns")
                 used = want[i - 1]["scale"] if i else case["init_scale"]
                 w_norm, g_norm = w["norm"], g["norm"]
                 finite = math.isfinite(w_norm)
+                if finite:  # after an overflow any norm is right (inf or nan); else a finite one is expected
+                    expect_number(g_norm, f"{at}: the norm clipped_step returned")
                 if finite and not math.isclose(g_norm, w_norm, rel_tol=1e-4, abs_tol=1e-7):
                     if math.isclose(g_norm, w_norm * used, rel_tol=1e-3):
                         why = ("that is the norm times the scale: clip_grad_norm_ saw scaled gradients. Call "
@@ -263,9 +224,11 @@ class ClippedStep(Check):
                     raise CheckFailure(f"{at}: the scaler's scale is {g['scale']:g} after the step, expected "
                                        f"{w['scale']:g}: {why}.")
                 if not _close(g["params"], w["params"]):
-                    if any(math.isnan(v) for v in g["params"]) and not finite:
+                    if not all(map(math.isfinite, g["params"])) and not finite:
                         why = ("this step's gradients were inf/NaN and were applied: use scaler.step(optimizer), "
                                "which skips the step then, instead of optimizer.step()")
+                    elif not all(map(math.isfinite, g["params"])):
+                        why = "the parameters hold inf or NaN after a step whose gradients were finite"
                     elif finite and w_norm > case["max_norm"]:
                         why = ("the update has the wrong size: clip the unscaled gradients (scaler.unscale_ before "
                                "clip_grad_norm_) to max_norm")
@@ -273,7 +236,22 @@ class ClippedStep(Check):
                         why = "the parameters differ from those of a correct loop"
                     raise CheckFailure(f"{at}: {why}.")
                 cleared = all(a is None or not any(a) for a in g["grads"])  # zero_grad() at the end is fine
-                if finite and not cleared and not all(
-                        b is not None and a is not None and _close(a, b) for a, b in zip(g["grads"], w["grads"])):
+                if finite and not cleared and not all(b is not None and a is not None and _close(a, b)
+                                                      for a, b in zip(g["grads"], w["grads"], strict=True)):
                     raise CheckFailure(f"{at}: after the step the .grad tensors are not the unscaled, clipped "
                                        "gradients (unscale_ once, then clip_grad_norm_, then step)")
+
+
+def _expect_step(got: object, at: str, numels: list[int]) -> dict:
+    """One step's record as the probe makes it: {"norm": number or text, "scale": a finite number,
+    "params": numbers (all parameters, flat), "grads": per parameter tensor None or its numbers}."""
+    g = expect_dict(got, f"{at}: the record of the step", ("norm", "scale", "params", "grads"))
+    if not isinstance(g["norm"], str):
+        expect_number(g["norm"], f"{at}: the norm clipped_step returned", finite=False)
+    expect_number(g["scale"], f"{at}: the scaler's scale after the step")
+    expect_numbers(g["params"], f"{at}: the parameters after the step", sum(numels), finite=False)
+    grads = expect_list(g["grads"], f"{at}: the .grad of each parameter tensor", len(numels))
+    for k, (grad, n) in enumerate(zip(grads, numels, strict=True)):
+        if grad is not None:
+            expect_numbers(grad, f"{at}: the .grad of parameter tensor {k}", n, finite=False)
+    return g

@@ -1,12 +1,15 @@
 """Checks for exercise 05 (several models, losses and optimizers under one GradScaler).
 
-Graded by behaviour. The grader draws seeds, sizes and scaler settings; the learner's kernel
-builds the two models, optimizers, scaler and batches from them, runs the learner's loop with
-the optimizers' and scaler's methods recorded (course_lib.chapters.doctor.Recorder), and
-returns the final parameters, the scale and the calls as plain data. The grader checks the
-calls (one update per iteration, after both steps; every optimizer through the scaler;
-clipping after unscale_), runs a correct loop on the same case and compares the parameters;
-where they differ, it runs loops with one known mistake each to say which one it is.
+Graded by behaviour. The grader draws seeds, sizes and scaler settings (the last case's initial
+scale overflows fp16 at first, and in the middle one opt1's gradients often overflow while opt0's
+do not, so each optimizer must skip on its own); the learner's kernel (course_lib/tooling/probes/
+ch05.py) builds the two models, optimizers, scaler and batches from them, runs the learner's loop
+with its calls recorded, and returns the final parameters, the scale, the steps each optimizer
+really took and the calls, each with the autocast state it ran in. The grader checks the calls
+(one update per iteration, after both steps; every optimizer through the scaler; clipping after
+unscale_; backward, unscale_, clipping, steps and update outside autocast), runs a correct loop
+on the same case and compares the parameters, the steps taken and the scale; where the
+parameters differ, it runs loops with one known mistake each to say which one it is.
 """
 from __future__ import annotations
 
@@ -16,58 +19,23 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...chapters.doctor import Recorder
 from ...chapters.multi import amp_mode
-from ..grading import Check, CheckFailure, register
+from ..grading import Check, CheckFailure, expect_dict, expect_list, expect_number, expect_numbers, register
+from ..probes.ch05 import KINDS, build, flat
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
-KINDS = ("backward", "zero_grad", "unscale_", "clip", "scaler.step", "step", "update")
+# the calls that must run outside autocast (zero_grad may run anywhere), as the messages name them
+OUTSIDE = {"backward": "backward()", "unscale_": "scaler.unscale_()", "clip": "clip_grad_norm_()",
+           "scaler.step": "scaler.step()", "step": "the optimizer step", "update": "scaler.update()"}
 
 
-def _model(g: torch.Generator) -> nn.Module:
-    # chapter 05's two_models architecture, initialised from `g` alone: the grader judges in
-    # threads, so nothing here may touch the global RNG (a meta model draws nothing)
-    meta = nn.Sequential(nn.Linear(16, 32, device="meta"), nn.ReLU(), nn.Linear(32, 4, device="meta"))
-    model = meta.to_empty(device="cpu")
-    with torch.no_grad():
-        for layer in (model[0], model[2]):
-            bound = layer.in_features ** -0.5  # the bounds of nn.Linear's default initialisation
-            layer.weight.uniform_(-bound, bound, generator=g)
-            layer.bias.uniform_(-bound, bound, generator=g)
-    return model
-
-
-def _build(case: dict) -> tuple:
-    """The case's two models, SGD optimizers (with momentum), scaler and batches, all from the case's seed."""
-    g = torch.Generator().manual_seed(case["seed"])
-    model0, model1 = _model(g), _model(g)
-    opts = [torch.optim.SGD(m.parameters(), lr=case["lr"], momentum=0.9) for m in (model0, model1)]
-    scaler = torch.amp.GradScaler("cpu", init_scale=case["init_scale"], growth_interval=case["growth_interval"])
-    batches = [(torch.randn(case["batch"], 16, generator=g), torch.randn(case["batch"], 4, generator=g))
-               for _ in range(case["iterations"])]
-    return model0, model1, *opts, scaler, batches
-
-
-def _flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-
-def _record(case: dict, loop, dtype: torch.dtype) -> dict:
-    """The kernel side: run the learner's `loop` on the case with its calls recorded; plain data."""
-    model0, model1, opt0, opt1, scaler, batches = _build(case)
-    with Recorder((model0, model1), (opt0, opt1), scaler, loop) as rec:
-        loop(model0, model1, opt0, opt1, scaler, batches, case["max_norm"], dtype)
-    calls = [[e.kind, e.index, e.info.get("owners", e.info.get("via_scaler"))] for e in rec.events if e.kind in KINDS]
-    return {"params0": _flat(model0), "params1": _flat(model1), "scale": scaler.get_scale(), "calls": calls}
-
-
-def _reference(case: dict, dtype: torch.dtype, mistake: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The grader side: the parameters a correct loop (or one with `mistake`) ends at. Nothing is
-    wrapped here: the grader judges submissions in threads, and the Recorder patches torch globally."""
-    model0, model1, opt0, opt1, scaler, batches = _build(case)
+def _reference(case: dict, dtype: torch.dtype, mistake: str | None = None) -> dict:
+    """The grader side: where a correct loop (or one with `mistake`) ends: parameters, steps taken, scale.
+    Nothing is wrapped here: the grader judges submissions in threads, and the Recorder patches torch globally."""
+    model0, model1, opt0, opt1, scaler, batches = build(case)
     reference_loop(model0, model1, opt0, opt1, scaler, batches, case["max_norm"], dtype, mistake)
-    return _flat(model0), _flat(model1)
+    return {"params": (flat(model0), flat(model1)), "steps": [opt0.taken, opt1.taken], "scale": scaler.get_scale()}
 
 
 def reference_loop(model0, model1, opt0, opt1, scaler, batches, max_norm, dtype, mistake: str | None = None):
@@ -110,21 +78,21 @@ MISTAKES = {
 
 def _calls_message(calls: list, iterations: int) -> str | None:
     """What is wrong with the sequence of calls, in words; None if nothing."""
-    updates = sum(k == "update" for k, _, _ in calls)
+    updates = sum(k == "update" for k, _, _, _ in calls)
     if updates != iterations:
         return (f"scaler.update() ran {updates} times in {iterations} iterations: call it exactly once per "
                 "iteration, after scaler.step() of both optimizers")
-    direct = sorted({i for k, i, via in calls if k == "step" and not via})
+    direct = sorted({i for k, i, via, _ in calls if k == "step" and not via})
     if direct:
         return (f"opt{direct[0]}.step() was called directly: with a GradScaler its gradients are still multiplied "
                 "by the scale, and inf/NaN steps are not skipped. Use scaler.step(opt" f"{direct[0]})")
     for i in (0, 1):
-        n = sum(k == "scaler.step" and j == i for k, j, _ in calls)
+        n = sum(k == "scaler.step" and j == i for k, j, _, _ in calls)
         if n != iterations:
             return f"scaler.step(opt{i}) ran {n} times in {iterations} iterations: once per iteration for each"
     stepped: set[int] = set()
     unscaled: set[int] = set()
-    for kind, i, extra in calls:
+    for kind, i, extra, _ in calls:
         if kind == "scaler.step":
             stepped.add(i)
             unscaled.add(i)
@@ -142,6 +110,36 @@ def _calls_message(calls: list, iterations: int) -> str | None:
     return None
 
 
+def _autocast_message(calls: list) -> str | None:
+    """Which calls ran inside autocast that belong after it, in words; None if none did."""
+    inside = [OUTSIDE[k] for k, _, _, on in calls if on and k in OUTSIDE]
+    if not inside:
+        return None
+    names = ", ".join(dict.fromkeys(inside))  # each name once, in the order they first ran
+    return (f"{len(inside)} calls ran with autocast on ({names}): only the forward passes and the losses go inside "
+            "`with torch.autocast(...)`; backward, unscale_, clipping, the steps and update() come after the block "
+            "(chapter 02: autocast is for the forward pass)")
+
+
+def _expect_calls(value: object, where: str) -> list:
+    """The recorded calls: [kind, optimizer index or None, details, autocast on?] each, of known kinds."""
+    calls = expect_list(value, f"{where}: the recorded calls")
+    for n, call in enumerate(calls):
+        kind, index, extra, on = expect_list(call, f"{where}: recorded call {n + 1}", 4)
+        if kind not in KINDS or not isinstance(on, bool) or not (index is None or index in (0, 1)):
+            raise CheckFailure(f"{where}: recorded call {n + 1}: expected [one of {list(KINDS)}, 0, 1 or None, "
+                               f"details, True/False], got {call!r:.80}")
+        if kind == "clip" and not (isinstance(extra, list) and all(i in (0, 1) for i in extra)):
+            raise CheckFailure(f"{where}: recorded call {n + 1}: expected the optimizers owning the clipped "
+                               f"parameters, got {extra!r:.60}")
+    return calls
+
+
+def _expect_params(value: object, where: str, size: int) -> torch.Tensor:
+    array = expect_dict(value, where, ("array",))["array"]
+    return torch.tensor(expect_numbers(array, where, size, finite=False), dtype=torch.float32)
+
+
 def _close(got: torch.Tensor, want: torch.Tensor, start: torch.Tensor) -> tuple[bool, float]:
     """Do two runs end at the same parameters? Measured on the change from the start, relatively."""
     if not torch.isfinite(got).all():
@@ -156,46 +154,64 @@ class FixTwoModels(Check):
     hint = ("Per iteration: zero both optimizers' gradients; forward and both losses under autocast; "
             "scaler.scale(loss0).backward(retain_graph=True); scaler.scale(loss1).backward(); "
             "scaler.unscale_(opt0); clip model0's gradients; scaler.step(opt0); scaler.step(opt1); "
-            "scaler.update() once, last.")
+            "scaler.update() once, last. Everything after the losses runs outside the autocast block.")
     forbidden = ("course_lib.chapters.multi",)
     forbidden_why = "fix the loop yourself instead of calling chapter 05's two_model_step"
     time_limit = 60.0
 
     def cases(self, rng: random.Random) -> list:
         dtype = str(amp_mode("cpu").dtype).removeprefix("torch.")
-        return [{"seed": rng.getrandbits(31), "iterations": rng.randint(4, 6), "batch": rng.choice([8, 16, 32]),
-                 "lr": rng.uniform(0.01, 0.05), "max_norm": rng.uniform(0.05, 0.3), "dtype": dtype,
-                 "init_scale": 2.0 ** scale_exp, "growth_interval": rng.choice([1, 2, 3])}
-                for scale_exp in (rng.randint(6, 10), rng.randint(12, 14), 16)]  # the last overflows at first
-
-    def run(self, case: dict, train_two_models) -> object:
-        return _record(case, train_two_models, getattr(torch, case["dtype"]))
+        cases = [{"seed": rng.getrandbits(31), "iterations": rng.randint(4, 6), "batch": rng.choice([8, 16, 32]),
+                  "lr": rng.uniform(0.01, 0.05), "max_norm": rng.uniform(0.05, 0.3), "dtype": dtype,
+                  "init_scale": 2.0 ** scale_exp, "growth_interval": rng.choice([1, 2, 3])}
+                 for scale_exp in (rng.randint(6, 10), rng.randint(12, 14), 16)]
+        # The last case overflows fp16 at first, so that skipped steps are exercised: both optimizers of a
+        # correct loop must skip at least once. 2^16 nearly always does; where it does not, double it.
+        last = cases[-1]
+        while dtype == "float16" and last["init_scale"] < 2.0 ** 24 and max(
+                _reference(last, torch.float16)["steps"]) == last["iterations"]:
+            last["init_scale"] *= 2
+        return cases
 
     def describe(self, case: dict) -> str:
         return (f"train_two_models on {case['iterations']} batches (seed {case['seed']}, init_scale "
                 f"{case['init_scale']:g}, growth_interval {case['growth_interval']})")
 
     def judge(self, cases: list, results: list) -> None:
-        for case, got in zip(cases, results):
-            where = self.describe(case)
-            if not (isinstance(got, dict) and {"params0", "params1", "calls"} <= set(got)):
-                raise CheckFailure(f"{where}: the check could not read the run ({got!r:.80})")
-            why = _calls_message(got["calls"], case["iterations"])
-            if why:
-                raise CheckFailure(f"{where}: {why}")
-            dtype = getattr(torch, case["dtype"])
-            summed = sum(k == "backward" for k, _, _ in got["calls"]) == case["iterations"]
-            want = _reference(case, dtype, "summed" if summed else None)
-            start = [_flat(m) for m in _build(case)[:2]]
-            mine = [torch.tensor(got[k]["array"], dtype=torch.float32) for k in ("params0", "params1")]
-            checks = [_close(mine[i], want[i], start[i]) for i in (0, 1)]
-            if all(ok for ok, _ in checks):
-                continue
+        expect_list(results, "the answers to the cases", len(cases))
+        for case, got in zip(cases, results, strict=True):
+            self._judge_one(case, got)
+
+    def _judge_one(self, case: dict, got: object) -> None:
+        where, n = self.describe(case), case["iterations"]
+        got = expect_dict(got, f"{where}: the record of your loop", ("params0", "params1", "scale", "steps", "calls"))
+        start = [flat(m) for m in build(case)[:2]]
+        mine = [_expect_params(got[f"params{i}"], f"{where}: model{i}'s parameters", start[i].numel()) for i in (0, 1)]
+        steps = [expect_number(s, f"{where}: the steps opt{i} took", integer=True)
+                 for i, s in enumerate(expect_list(got["steps"], f"{where}: the steps each optimizer took", 2))]
+        scale = expect_number(got["scale"], f"{where}: the scaler's scale")
+        calls = _expect_calls(got["calls"], where)
+        why = _calls_message(calls, n) or _autocast_message(calls)
+        if why:
+            raise CheckFailure(f"{where}: {why}")
+        dtype = getattr(torch, case["dtype"])
+        summed = sum(k == "backward" for k, _, _, _ in calls) == n
+        want = _reference(case, dtype, "summed" if summed else None)
+        checks = [_close(mine[i], want["params"][i], start[i]) for i in (0, 1)]
+        if not all(ok for ok, _ in checks):
             for mistake, text in MISTAKES.items():
-                variant = _reference(case, dtype, mistake)
+                variant = _reference(case, dtype, mistake)["params"]
                 if all(_close(mine[i], variant[i], start[i])[0] for i in (0, 1)):
                     raise CheckFailure(f"{where}: the parameters match a loop in which {text}")
             i = 0 if not checks[0][0] else 1
-            raise CheckFailure(f"{where}: after {case['iterations']} iterations model{i}'s parameters differ from a "
+            raise CheckFailure(f"{where}: after {n} iterations model{i}'s parameters differ from a "
                                f"correct loop's (by {checks[i][1]:.3g} of the change a correct loop makes). Compare "
                                "your loop with the hint, line by line")
+        for i in (0, 1):
+            if steps[i] != want["steps"][i]:
+                raise CheckFailure(f"{where}: opt{i} took {steps[i]} steps in {n} iterations, a correct loop "
+                                   f"{want['steps'][i]}: scaler.step(opt{i}) skips the step exactly when opt{i}'s own "
+                                   "gradients hold inf or NaN, whatever the other optimizer's hold")
+        if scale != want["scale"]:
+            raise CheckFailure(f"{where}: the scale is {scale:g} at the end, a correct loop's {want['scale']:g}: "
+                               "scaler.update() once per iteration, after both scaler.step() calls")
