@@ -1,11 +1,14 @@
-"""Exercise 07's check: settings are validated, then measured in the grader's process.
+"""Exercise 07's check: settings are validated, the worker count must follow from the machine, and
+the loader is measured in the grader's process on the machine the grader measured.
 
-The check runs exactly as the grader judges it (run_check). A good configuration passes;
-loading in the training process (num_workers=0) with the heavy augmentation fails on its measured
-wait; invalid settings fail before anything is measured, with a message naming the problem; an
-answer that is not a dict of settings (a number, a DataLoader object) fails; a hard-coded dict
-fails because the batch size is drawn fresh. The busy-machine rule is tested with scripted
-measurements, so that its verdicts do not depend on this machine's load.
+The check runs exactly as the grader judges it (run_check). A good configuration passes; worker
+counts that ignore the machine (a constant 8, the article's "4 x GPUs", num_workers = cpus, the rates
+without the cap of the cores) fail on the machines the check describes; loading in the training
+process (num_workers=0) fails; its measured wait fails too; invalid settings fail before anything is
+measured, with a message naming the problem; an answer that is not a dict of settings (a number, a
+DataLoader object) fails; a hard-coded dict fails because the batch size is drawn fresh. The
+busy-machine rule is tested with scripted measurements, so that its verdicts do not depend on this
+machine's load.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import math
 import random
 
 import pytest
+import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from course_lib.tooling.checks import ch07
@@ -42,9 +46,65 @@ def test_good_settings_pass():
     assert status == "passed", message
 
 
-def test_loading_in_the_training_process_fails_on_its_measured_wait():
+def test_loading_in_the_training_process_fails():
     msg = fails(lambda batch_size, load_ms, step_ms, cpus: {"batch_size": batch_size})
-    assert "waited for data" in msg and "at most 15% passes" in msg
+    assert "returned num_workers=0 (the default: loading in the training process)" in msg
+
+
+def test_loading_in_the_training_process_fails_on_its_measured_wait_too():
+    """The measurement itself, on the machine the grader measured: no workers cannot hide the loading."""
+    check = ch07.LoaderSettings()
+    case = next(c for c in check.cases(random.Random(0)) if c["measured"])
+    with pytest.raises(CheckFailure, match="waited for data") as e:
+        check._measure(case, {"batch_size": case["batch_size"]})
+    assert "at most 15% passes" in str(e.value) and "for the grader's machine" in str(e.value)
+
+
+def always_8(batch_size, load_ms, step_ms, cpus):
+    return {"batch_size": batch_size, "num_workers": 8}
+
+
+def four_per_gpu(batch_size, load_ms, step_ms, cpus):  # the article's rule; a CPU machine counts as one GPU
+    return {"batch_size": batch_size, "num_workers": 4 * max(1, torch.cuda.device_count())}
+
+
+def all_the_cores(batch_size, load_ms, step_ms, cpus):
+    return {"batch_size": batch_size, "num_workers": cpus}
+
+
+def rates_without_the_cores(batch_size, load_ms, step_ms, cpus):
+    return {"batch_size": batch_size, "num_workers": math.ceil(1.25 * load_ms / step_ms)}
+
+
+def four_at_most(batch_size, load_ms, step_ms, cpus):
+    return {"batch_size": batch_size, "num_workers": min(cpus, 4)}
+
+
+@pytest.mark.parametrize("wrong", [always_8, four_per_gpu, all_the_cores, rates_without_the_cores, four_at_most],
+                         ids=lambda f: f.__name__)
+def test_worker_counts_that_ignore_the_machine_fail(wrong):
+    msg = fails(wrong, seed=0)
+    assert "returned num_workers=" in msg and "not from a constant" in msg, msg
+    assert "waited for data" not in msg  # caught before anything is measured
+
+
+def test_the_rule_of_the_chapter_is_within_the_range_on_every_machine():
+    """The solution's rule (and a little more or less headroom) passes wherever the check can describe."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        cpus = rng.choice([1, 2, 3, 4, 6, 8, 16, 32, 64])
+        load_ms = round(rng.uniform(5, 500), 1)
+        case = {"batch_size": 32, "load_ms": load_ms, "step_ms": round(load_ms / rng.uniform(0.5, 12), 1),
+                "cpus": cpus}
+        need = case["load_ms"] / case["step_ms"]
+        for workers in (min(cpus, math.ceil(1.25 * need)), min(cpus, math.ceil(need) + 1),
+                        min(cpus, math.ceil(1.5 * need)), min(cpus, math.ceil(need))):
+            ch07.check_workers(case, {"num_workers": workers}, "loader_settings(...)")
+    case = {"batch_size": 32, "load_ms": 100.0, "step_ms": 10.0, "cpus": 64}
+    assert ch07.worker_range(case) == (10, 20)
+    assert ch07.worker_range({**case, "cpus": 6}) == (6, 6)
+    with pytest.raises(CheckFailure, match=r"expected 6 \(all its cpus=6 cores"):
+        ch07.check_workers({**case, "cpus": 6}, {"num_workers": 10}, "loader_settings(...)")
 
 
 @pytest.mark.parametrize("settings, expected", [
@@ -81,12 +141,21 @@ def test_answers_that_are_not_settings_fail():
     assert "DataLoader object" in fails(lambda batch_size, load_ms, step_ms, cpus: loader)
 
 
-def test_the_cases_are_plain_numbers_measured_here():
-    cases = ch07.LoaderSettings().cases(random.Random(0))
-    assert len(cases) == 2 and cases[0]["batch_size"] < cases[1]["batch_size"]
+def test_the_cases_are_plain_numbers_for_this_machine_and_described_ones():
+    check = ch07.LoaderSettings()
+    cases = check.cases(random.Random(0))
+    measured = [c for c in cases if c["measured"]]
+    described = [c for c in cases if not c["measured"]]
+    assert len(measured) == 2 and len({c["batch_size"] for c in measured}) == 2
+    assert len(described) == len(ch07.DESCRIBED) and {c["cpus"] for c in measured} == {ch07.loading.cpus()}
     for case in cases:
-        assert set(case) == {"batch_size", "load_ms", "step_ms", "cpus"}
+        assert set(case) == {"batch_size", "load_ms", "step_ms", "cpus", "measured"}
+        assert check.public(case) == {k: case[k] for k in ("batch_size", "load_ms", "step_ms", "cpus")}
         assert 0 < case["step_ms"] < case["load_ms"] or case["cpus"] == 1
+    # the described machines: one needs more workers than 8, one fewer than its cores, one all its cores
+    low_high = [ch07.worker_range(c) for c in described]
+    assert any(low > 8 for low, _ in low_high) and any(high < c["cpus"] for (_, high), c in zip(low_high, described))
+    assert any(low == high == c["cpus"] for (low, high), c in zip(low_high, described))
 
 
 def test_the_graders_own_settings_are_valid():
@@ -149,3 +218,16 @@ def test_the_loader_is_measured_in_a_fresh_process_not_in_the_threaded_grader():
     assert 0.0 <= mine <= 1.0 and (theirs is None or 0.0 <= theirs <= 1.0)
     with pytest.raises(CheckFailure, match="failed"):
         ch07.measure_in_fresh_process(case, {"batch_size": 32, "num_workers": 0, "prefetch_factor": 2})
+
+
+def test_the_check_runs_in_the_probe_and_the_probe_needs_no_check_module():
+    import inspect
+
+    from course_lib.tooling import probes
+    from course_lib.tooling.probes import ch07 as probe
+    assert "run" not in vars(ch07.LoaderSettings) and probes.find(NAME) is probe.loader_settings
+    assert "tooling.checks" not in inspect.getsource(probe) and "..checks" not in inspect.getsource(probe)
+    seen = {}
+    probe.loader_settings({"batch_size": 32, "load_ms": 9.0, "step_ms": 3.0, "cpus": 4, "measured": True},
+                          lambda **kwargs: seen.update(kwargs))
+    assert seen == {"batch_size": 32, "load_ms": 9.0, "step_ms": 3.0, "cpus": 4}

@@ -1,11 +1,16 @@
 """Checks for exercise 07 (data loading). The learner's function returns DataLoader settings as plain
-data; the grader validates them, builds the loader in its own process on its own dataset and
-augmentation, and measures how long a training loop with a fixed simulated step waits for data.
-Nothing the learner's code measures or prints is used: only the settings."""
+data (the probe, course_lib/tooling/probes/ch07.py, only calls it). For every machine the check
+describes, the grader validates them and requires the worker count the chapter teaches: the model
+takes one batch per step_ms, each worker makes one per load_ms, so load_ms / step_ms workers (plus
+headroom), at most the cores there are. For the machine it measured itself it also builds the
+loader in its own process on its own dataset and augmentation, and measures how long a training
+loop with a fixed simulated step waits for data. Nothing the learner's code measures or prints is
+used: only the settings."""
 from __future__ import annotations
 
 import functools
 import json
+import math
 import random
 import sys
 import threading
@@ -15,6 +20,7 @@ from torch.utils.data import DataLoader
 from ...chapters import loading
 from ...data import load_dataset
 from ..grading import Check, CheckFailure, in_fresh_process, register
+from ..probes.ch07 import KEYS
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
@@ -23,6 +29,11 @@ NOISE = 0.08       # the best of two runs of the same settings differ by about t
 CHANCES = 3        # runs of the learner's settings at most, when the first one waits too long
 STEPS = 20
 MEASURE_LIMIT = 120.0  # seconds for one submission's measurements, torch's import included
+# Machines the check describes besides its own: (cores to draw from, workers needed = load_ms / step_ms).
+# Many cores and a fast model need many workers (no constant such as 4 or 8 fits); many cores and a
+# slow model need few (num_workers = cpus is far too many); few cores and a fast model need all the
+# cores and no more (the rates alone are not the answer).
+DESCRIBED = (((32, 48, 64), (9.5, 12.0)), ((16, 24, 32), (1.2, 1.8)), ((3, 5, 6), (7.0, 10.0)))
 ALLOWED = {"batch_size": "the case's batch size", "num_workers": "an int from 0 to {max_workers}",
            "prefetch_factor": "None or an int from 1 to 16", "persistent_workers": "True or False",
            "pin_memory": "True or False", "shuffle": "True or False", "drop_last": "True or False"}
@@ -71,6 +82,33 @@ def validate(settings: object, case: dict) -> dict:
     return dict(settings)
 
 
+def worker_range(case: dict) -> tuple[int, int]:
+    """The worker counts that follow the chapter's rule on the machine `case` describes: at least
+    load_ms / step_ms rounded up (fewer cannot keep up), at most twice that or two more (headroom
+    for the spread), and never more than the cores (more cannot run at once: they oversubscribe)."""
+    need = case["load_ms"] / case["step_ms"]
+    low = math.ceil(need)
+    return min(case["cpus"], low), min(case["cpus"], max(math.ceil(2 * need), low + 2))
+
+
+def check_workers(case: dict, settings: dict, call: str) -> None:
+    """CheckFailure unless the settings' num_workers is within worker_range(case), saying why."""
+    workers, (low, high) = settings.get("num_workers", 0), worker_range(case)
+    if low <= workers <= high:
+        return
+    need, cpus = case["load_ms"] / case["step_ms"], case["cpus"]
+    rates = (f"each worker makes one batch per load_ms={case['load_ms']:g} ms and the model takes one per "
+             f"step_ms={case['step_ms']:g} ms, so load_ms / step_ms = {need:.2f} workers keep up")
+    if low == high:
+        want = (f"{low} (all its cpus={cpus} cores: more cannot run at once)" if low == cpus < math.ceil(need)
+                else str(low))
+    else:
+        want = f"{low} to {high} (a little headroom{', within its ' + str(cpus) + ' cores' if high == cpus else ''})"
+    default = " (the default: loading in the training process)" if "num_workers" not in settings else ""
+    raise CheckFailure(f"{call} returned num_workers={workers}{default}: there {rates}; expected {want}. "
+                       "The worker count follows from these numbers, not from a constant")
+
+
 def reference_settings(case: dict) -> dict:
     """The grader's own answer: enough workers to keep up, within the cores there are."""
     return {"batch_size": case["batch_size"],
@@ -112,8 +150,10 @@ def wait_fraction(settings: dict, step_ms: float) -> float:
 class LoaderSettings(Check):
     name, args, points = "07.loader_settings", ("loader_settings",), 4
     hint = ("Each worker makes one batch every load_ms; the model takes one every step_ms. So you need at least "
-            "load_ms / step_ms workers (round up, and leave some headroom), but more than `cpus` cannot run at "
-            "once. num_workers=0 loads in the training process itself, between steps.")
+            "load_ms / step_ms workers (round up, and leave some headroom: the chapter's workers_needed adds 25%), "
+            "but never more than `cpus`: more cannot run at once. Compute it from the four arguments, as the "
+            "check calls your function for several machines (a few cores to 64): no constant count fits them all. "
+            "num_workers=0 loads in the training process itself, between steps.")
     time_limit = 30.0
 
     def cases(self, rng: random.Random) -> list:
@@ -128,24 +168,37 @@ class LoaderSettings(Check):
             # a model faster than one core's augmentation, but one that the cores here can keep fed
             ratio = rng.uniform(0.65, 0.75) if n >= 2 else rng.uniform(1.3, 1.5)
             out.append({"batch_size": batch_size, "load_ms": round(load_ms, 1),
-                        "step_ms": round(ratio * load_ms, 1), "cpus": n})
+                        "step_ms": round(ratio * load_ms, 1), "cpus": n, "measured": True})
+        for cores, (low, high) in DESCRIBED:  # other machines: the same rule, not measured here
+            batch_size, need = rng.choice([64, 128, 256]), rng.uniform(low, high)
+            load_ms = round(batch_size * rng.uniform(0.3, 2.0), 1)  # one core's cost of a batch there
+            out.append({"batch_size": batch_size, "load_ms": load_ms, "step_ms": round(load_ms / need, 1),
+                        "cpus": rng.choice(cores), "measured": False})
+        rng.shuffle(out)
         return out
 
-    def run(self, case: dict, loader_settings) -> object:
-        return loader_settings(**case)
+    def public(self, case: dict) -> dict:
+        return {k: case[k] for k in KEYS}  # which machine was measured is the grader's business
 
     def describe(self, case: dict) -> str:
-        return ("loader_settings(" + ", ".join(f"{k}={v!r}" for k, v in case.items()) + ")")
+        where = "the grader's machine" if case.get("measured") else "a machine the check describes"
+        return "loader_settings(" + ", ".join(f"{k}={case[k]!r}" for k in KEYS) + f") for {where}"
 
     def judge(self, cases: list, results: list) -> None:
-        for case, got in zip(cases, results):
+        checked = []
+        for case, got in zip(cases, results, strict=True):  # respond() gives one result per case
             settings = validate(got, case)
             try:
                 with loading.quiet_loader_warnings():
                     DataLoader(_dataset(), **settings)
             except (ValueError, TypeError) as e:
                 raise CheckFailure(f"DataLoader refused the settings {settings!r}: {e}") from None
-            self._measure(case, settings)
+            check_workers(case, settings, self.describe(case))
+            checked.append((case, settings))
+        # Only then the measurements, which take seconds: a wrong worker count fails at once.
+        for case, settings in checked:
+            if case["measured"]:
+                self._measure(case, settings)
 
     def _measure(self, case: dict, settings: dict) -> None:
         call, step, ours = self.describe(case), case["step_ms"], reference_settings(case)
