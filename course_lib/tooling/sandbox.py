@@ -138,6 +138,8 @@ def visible_paths(library: Path, hidden: list[Path]) -> list[str]:
     python = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
               *sys.path, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
     wanted += [Path(os.path.realpath(p)) for p in python if p and os.path.isabs(p)]
+    # and as named, where that is a link (a .venv linked from elsewhere): the link is made again inside
+    wanted += [Path(p) for p in (sys.prefix, os.path.dirname(sys.executable)) if os.path.islink(p)]
     wanted.append(Path(library))
     root = ROOT.resolve()
     out: list[str] = []
