@@ -6,7 +6,6 @@ sandbox directly, with a script that reports what it can see and do.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -239,7 +239,7 @@ def test_the_map_lists_every_module_and_only_existing_ones():
     listed = set(re.findall(r"\[`([\w/]+\.py|[\w/]+/)`\]", text))
     modules = {p.relative_to(PKG).as_posix() for p in CORE + CHAPTER_MODULES}
     modules |= {p.relative_to(PKG).as_posix() for p in (PKG / "tooling").glob("*.py") if p.name != "__init__.py"}
-    modules.add("tooling/checks/")
+    modules |= {"tooling/checks/", "tooling/probes/"}
     assert listed == modules
 
 

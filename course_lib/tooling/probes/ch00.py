@@ -5,6 +5,8 @@ from typing import Any, Callable
 
 from . import ask
 
+__all__ = ["choose_precision", "median_step_ms"]
+
 
 def choose_precision(case: list, choose_precision_fn: Callable) -> Any:
     return choose_precision_fn(tuple(case))  # a compute capability is a tuple in the task

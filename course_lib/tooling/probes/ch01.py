@@ -6,6 +6,8 @@ from typing import Any, Callable
 
 import torch
 
+__all__ = ["fp_fate", "bf16_dot_errors"]
+
 
 def fp_fate(case: list, fp_fate_fn: Callable) -> Any:
     return fp_fate_fn(case[0], case[1])  # (x, format name)

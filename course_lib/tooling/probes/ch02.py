@@ -9,6 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+__all__ = ["dtype_of", "predict_dtype", "make_sqdist", "build", "find_fp32_islands"]
+
 
 def dtype_of(name: str) -> torch.dtype:
     return getattr(torch, name)

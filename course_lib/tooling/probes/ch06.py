@@ -9,6 +9,8 @@ from typing import Any, Callable
 
 from . import ask
 
+__all__ = ["diagnose_step", "time_it"]
+
 
 def diagnose_step(case: dict, diagnose_step_fn: Callable) -> Any:
     return diagnose_step_fn(case)  # the profile, as trace_summary reports one

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+__all__ = ["loader_settings"]
+
 KEYS = ("batch_size", "load_ms", "step_ms", "cpus")  # the arguments of loader_settings, nothing else
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+__all__ = ["speed_up", "first_overflow", "mfu"]
+
 # mfu's arguments, in the order the task gives them
 MFU_ARGS = ("n_params", "n_layer", "n_embd", "seq_len", "batch", "step_ms", "peak_tflops")
 
