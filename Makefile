@@ -47,9 +47,11 @@ venv: $(STAMP)
 
 # Rooted at the repository, so the file browser and the chapters' links reach exercises/,
 # solutions/, course_lib/ and data/; it opens on chapter 00. (Passing the notebook as an
-# argument instead would root JupyterLab at notebooks/.)
+# argument instead would root JupyterLab at notebooks/.) The course's contents manager keeps a
+# notebook that was only read byte for byte unchanged (course_lib/tooling/lab.py).
 lab: $(STAMP)
 	$(VPY) -m jupyter lab $(LAB_ROOT) --ServerApp.root_dir="$(CURDIR)" \
+	  --ServerApp.contents_manager_class=course_lib.tooling.lab.CourseContentsManager \
 	  --LabApp.default_url=/lab/tree/notebooks/00_setup.ipynb \
 	  --LabApp.news_url=None --LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate $(LAB_ARGS)
 

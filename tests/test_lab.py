@@ -80,3 +80,35 @@ def test_every_relative_link_in_a_notebook_resolves_to_a_file_in_the_repository(
             if not resolved.exists() or ROOT not in resolved.parents:
                 broken.append(target)
     assert not broken, f"{path.name}: links that lead nowhere in the repository: {broken}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_a_notebook_is_stored_as_jupyterlab_saves_it_unchanged(path):
+    """Reading a notebook in JupyterLab must not mark it modified, nor autosave rewrite the tracked file:
+    the file is what nbformat writes back, with the metadata the kernel reports (less its version)."""
+    from course_lib.tooling.colab import KERNELSPEC, LANGUAGE_INFO
+    raw = path.read_text(encoding="utf-8")
+    nb = nbformat.reads(raw, as_version=4)
+    assert nbformat.writes(nb) + "\n" == raw, "re-saving with nbformat changes the file: run make stamp"
+    assert (nb.nbformat, nb.nbformat_minor) == (4, 5)
+    assert nb.metadata["kernelspec"] == KERNELSPEC and nb.metadata["language_info"] == LANGUAGE_INFO
+
+
+def test_the_labs_contents_manager_opens_a_notebook_as_the_kernel_describes_itself_and_saves_it_unchanged(tmp_path):
+    import asyncio
+    import platform
+    import shutil
+
+    from course_lib.tooling.lab import CourseContentsManager
+    shutil.copy(ROOT / "notebooks" / "01_formats.ipynb", tmp_path / "01.ipynb")
+    before = (tmp_path / "01.ipynb").read_bytes()
+    manager = CourseContentsManager(root_dir=str(tmp_path))
+
+    async def open_and_save() -> str:
+        model = await manager.get("01.ipynb")
+        opened_as = model["content"]["metadata"]["language_info"]["version"]
+        await manager.save({"type": "notebook", "format": "json", "content": model["content"]}, "01.ipynb")
+        return opened_as
+
+    assert asyncio.run(open_and_save()) == platform.python_version()
+    assert (tmp_path / "01.ipynb").read_bytes() == before

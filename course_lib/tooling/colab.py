@@ -63,6 +63,15 @@ def setup_source(cfg: dict[str, str]) -> str:
     return SETUP_TEMPLATE.format(clone_dir=CLONE_DIR, **cfg)
 
 
+# The metadata a Python kernel describes itself with, as JupyterLab would save it, less the Python
+# version (it is the reader's machine's, not the course's: course_lib.tooling.lab adds it on opening
+# and removes it on saving, so reading a notebook in `make lab` never changes the file).
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+LANGUAGE_INFO = {"codemirror_mode": {"name": "ipython", "version": 3}, "file_extension": ".py",
+                 "mimetype": "text/x-python", "name": "python", "nbconvert_exporter": "python",
+                 "pygments_lexer": "ipython3"}
+
+
 def stamp_notebook(nb: nbformat.NotebookNode, relpath: str, cfg: dict[str, str] | None = None) -> bool:
     """Make cell 0 the badge and cell 1 the setup cell; set Colab metadata.
 
@@ -80,8 +89,8 @@ def stamp_notebook(nb: nbformat.NotebookNode, relpath: str, cfg: dict[str, str] 
     nb.metadata["accelerator"] = "GPU"
     nb.metadata.setdefault("colab", {})["gpuType"] = "T4"
     nb.metadata.setdefault("colab", {}).setdefault("provenance", [])
-    nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
-    nb.metadata.setdefault("language_info", {})["name"] = "python"
+    nb.metadata["kernelspec"] = dict(KERNELSPEC)
+    nb.metadata["language_info"] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in LANGUAGE_INFO.items()}
     return nbformat.writes(nb) != before
 
 
