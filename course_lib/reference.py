@@ -3,9 +3,11 @@
 Most learners have no H100. So every chapter that measures something on a GPU also records
 it (`python -m course_lib.chapters.bench --json data/reference/bench_<gpu>.json`, ...) and
 shows the recorded file next to the learner's own measurement. Every file carries the same
-provenance: device, torch, CUDA, cuDNN, Python, date and the exact command.
+provenance: device, torch, CUDA, cuDNN, Python, date and the exact command. Until a file is
+recorded, a chapter says once, in its own words, what the GPU run would show and how to record
+it (docs/gpu.md lists every command); each cell that would show a file then prints one line.
 
-    show("bench_*.json", lambda ref: format_table(ref["rows"]), "python -m course_lib.chapters.bench --json ...")
+    show_reference("bench_*.json", lambda ref: format_table(ref["rows"]))
 """
 from __future__ import annotations
 
@@ -56,15 +58,15 @@ def load_references(pattern: str = "*.json") -> list[dict]:
     return [{"file": p.name, **json.loads(p.read_text())} for p in sorted(REFERENCE_DIR.glob(pattern))]
 
 
-def show_reference(pattern: str, describe: Callable[[dict], str], how_to_record: str) -> list[dict]:
-    """Chapter 00: print every recorded result matching `pattern` with its provenance, formatted
-    by `describe(record)`; if there is none, say so, and how to record one."""
+def show_reference(pattern: str, describe: Callable[[dict], str]) -> list[dict]:
+    """Chapter 00: print every recorded result matching `pattern` in full, with its provenance,
+    formatted by `describe(record)`. If there is none, print one short line: the chapter itself
+    says, once, what the GPU run would show and how to record it."""
     refs = load_references(pattern)
     for ref in refs:
         prov = ref["provenance"]
         print(f"recorded on {_headline(prov)}  ({ref['file']})\n  command: {prov['command']}")
         print(describe(ref))
     if not refs:
-        print(f"No GPU reference recorded in data/reference/{pattern} yet; on a GPU, record it with:\n"
-              f"    {how_to_record}")  # two lines: a notebook shows 100 characters without wrapping
+        print(f"No GPU reference recorded yet (data/reference/{pattern}).")
     return refs

@@ -1,6 +1,7 @@
-"""Notebook hygiene: Colab stamping, stripped outputs, chapter structure, gpu cells as leaves."""
+"""Notebook hygiene: Colab stamping, stripped outputs, chapter structure, gpu cells as leaves, links to follow."""
 import ast
 import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -132,3 +133,73 @@ def test_gpu_cells_are_leaves(path):
             used = (_names(cell.source, ast.Load) - stored) & gpu_only
             assert not used, f"{sorted(used)} come from a gpu cell but are used by a later cell"
             gpu_only -= stored
+
+
+# --------------------------------------------------------------------------- finding your way
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")  # the target of every markdown link and image
+
+
+def _markdown(path: Path) -> list[str]:
+    return [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown"]
+
+
+def _relative_targets(source: str) -> list[str]:
+    return [t.split("#")[0] for t in LINK.findall(source) if not re.match(r"^[a-z]+:|^#", t)]
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=ids(CHAPTERS))
+def test_a_chapter_ends_with_links_to_the_previous_and_next_chapter_and_its_exercises(path):
+    i = CHAPTERS.index(path)
+    last = nbformat.read(path, as_version=4).cells[-1]
+    assert last.cell_type == "markdown", f"{path.name} does not end with its navigation links"
+    targets = set(_relative_targets(last.source))
+    wanted = {f"../exercises/{path.stem}_exercises.ipynb"}
+    wanted |= {CHAPTERS[i - 1].name} if i > 0 else {"../README.md"}
+    wanted |= {CHAPTERS[i + 1].name} if i + 1 < len(CHAPTERS) else {"../README.md"}
+    assert wanted <= targets, f"{path.name}'s last cell lacks links to {sorted(wanted - targets)}"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=ids(CHAPTERS))
+def test_every_notebook_and_markdown_link_of_a_chapter_leads_to_a_file(path):
+    targets = [t for source in _markdown(path) for t in _relative_targets(source)]
+    assert any(t.endswith(".ipynb") for t in targets)
+    broken = [t for t in targets if t.endswith((".ipynb", ".md")) and not (path.parent / t).is_file()]
+    assert not broken, f"{path.name} links to files that do not exist: {broken}"
+
+
+def test_the_links_that_the_test_reads_are_the_ones_a_markdown_renderer_follows():
+    source = "see [`exercises/00_x.ipynb`](../exercises/00_x.ipynb), [web](https://a.b/c.md), [top](#top)"
+    assert _relative_targets(source) == ["../exercises/00_x.ipynb"]
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=ids(CHAPTERS))
+def test_notebook_and_readme_paths_are_links_not_code_spans(path):
+    """A path to a notebook or a markdown file shown as `code` cannot be clicked; it must be a link."""
+    spans = [m.group(0) for source in _markdown(path)
+             for m in re.finditer(r"(?<!\[)`[^`\s]*\.(?:ipynb|md)`(?!\]\()", source)]
+    assert not spans, f"{path.name}: make these links: {spans}"
+
+
+def test_chapter_00_links_every_chapter_its_exercises_and_the_readme():
+    targets = {t for source in _markdown(CHAPTERS[0]) for t in _relative_targets(source)}
+    wanted = {p.name for p in CHAPTERS[1:]} | {f"../exercises/{p.stem}_exercises.ipynb" for p in CHAPTERS}
+    assert wanted | {"../README.md"} <= targets, sorted(wanted - targets)
+
+
+# --------------------------------------------------------------------------- printed tables
+
+def test_the_targets_table_of_chapter_09_is_aligned_within_100_columns():
+    from course_lib.chapters.ladder import format_targets, targets
+
+    rows = targets([], None)
+    rows[0].update(value=3123.4, met=True)  # the widest numbers a recorded run gives
+    rows[3].update(value=0.7012, met=False)
+    lines = format_targets(rows).splitlines()
+    assert all(len(line) <= 100 for line in lines)
+    ends = [len(line.rstrip()) for line in lines]
+    assert len(set(ends)) <= 2  # "met" and "n/a" end together, "yes" and "NO" one column apart
+    for line in lines[1:]:  # goal, value, target and met, separated by at least two spaces
+        fields = re.split(r"\s{2,}", line.strip())
+        assert len(fields) == 4 and fields[2][:2] in (">=", "<=") and fields[3] in ("yes", "NO", "n/a"), line
+    assert "3,123" in lines[1] and ">= 2,470" in lines[1] and "<= 0.65  NO" in lines[4]

@@ -54,6 +54,40 @@ def test_profile_steps_runs_each_cycle_and_writes_one_chrome_trace_per_cycle(tmp
     assert all(len(line) <= 100 for line in table.splitlines()) and "self CPU" in table
 
 
+def test_traces_go_to_a_git_ignored_folder_inside_the_course_whatever_the_cwd(tmp_path, monkeypatch):
+    """JupyterLab's file browser (rooted at the repository) must reach the traces, and git must not see them."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)  # a kernel started in notebooks/, at the root, or anywhere else
+    folder = P.trace_folder()
+    assert folder.is_dir() and folder == root / "runs" / "06_profiling"
+    relative = folder.relative_to(root).as_posix()
+    probe = f"{relative}/fp32_5.pt.trace.json"
+    ignored = subprocess.run(["git", "check-ignore", relative, probe], cwd=root, capture_output=True, text=True)
+    assert ignored.stdout.split() == [relative, probe], f"{relative} is not git-ignored: {ignored}"
+    assert P.trace_folder("x", root=tmp_path) == tmp_path / "runs" / "x"
+
+
+def test_show_traces_lists_sizes_and_links_the_files_relative_to_the_chapters(tmp_path, capsys, monkeypatch):
+    (tmp_path / "fp32_5.pt.trace.json").write_text("{}" * 600)
+    assert [p.name for p in P.show_traces(tmp_path)] == ["fp32_5.pt.trace.json"]
+    assert capsys.readouterr().out.strip() == f"{tmp_path / 'fp32_5.pt.trace.json'}  (1 KiB)"  # no IPython kernel
+    shown = []
+    monkeypatch.setattr("IPython.get_ipython", lambda: object())
+    monkeypatch.setattr("IPython.display.display", lambda obj, raw: shown.append(obj))
+    folder = P.trace_folder("test_show_traces")
+    (folder / "a.pt.trace.json").write_text("{}")
+    try:
+        P.show_traces(folder)
+    finally:
+        (folder / "a.pt.trace.json").unlink()
+        folder.rmdir()
+    page = shown[0]["text/html"]
+    assert '<a href="../runs/test_show_traces/a.pt.trace.json" download>' in page and "runs/test_show_traces/" in page
+
+
 def test_the_profilers_banners_are_dropped_and_other_stderr_is_kept(capfd):
     with P._quiet_profiler():
         os.write(2, b"USDT:2026 SyncActivityProfilerHandler.cpp:39] profiler_start\n"

@@ -378,12 +378,15 @@ def targets(resnet_rows: list[dict], gpt_rows: list[dict] | None = None) -> list
 
 
 def format_targets(rows: list[dict]) -> str:
-    """Chapter 09: targets() as text; 'n/a' where this machine cannot measure the goal."""
-    out = [f"{'goal':<54}{'value':>10}{'target':>10}  met"]
+    """Chapter 09: targets() as an aligned table within 100 columns; 'n/a' where nothing measured the goal."""
+    def num(v: float) -> str:  # images/s as a whole number, ratios and MFU with two decimals
+        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.2f}"
+
+    out = [f"{'goal':<54}{'value':>12}{'target':>12}  met"]
     for r in rows:
-        value = "n/a" if r["value"] is None else f"{r['value']:.3g}"
+        value = "n/a" if r["value"] is None else num(r["value"])
         met = "n/a" if r["met"] is None else ("yes" if r["met"] else "NO")
-        out.append(f"{r['goal']:<54}{value:>10}{r['sense'] + format(r['target'], '.3g'):>10}  {met}")
+        out.append(f"{r['goal'][:52]:<54}{value:>12}{r['sense'] + ' ' + num(r['target']):>12}  {met}")
     return "\n".join(out)
 
 

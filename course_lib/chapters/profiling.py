@@ -7,7 +7,7 @@ table, the steps the chapter profiles (the course model, three built-in bottlene
 done naively and properly, the cost of a read-back per step, CUDA memory per phase and a
 memory snapshot, and the CLI that records the GPU results:
 
-    run = profile_steps(step, trace_dir=tmp, wait=1, warmup=1, active=3)
+    run = profile_steps(step, trace_dir=trace_folder(), wait=1, warmup=1, active=3)  # runs/06_profiling/
     print(format_key_averages(key_average_rows(run)))      # what torch.profiler's table says
     summary = trace_summary(load_trace(run.traces[-1]))    # course_lib.chapters.traces
     python -m course_lib.chapters.profiling --json data/reference/profiling_<gpu>.json
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import html
 import os
 import pickle
 import sys
@@ -39,7 +40,7 @@ from ..timing import Timing, compare, synchronize, time_fn
 from ..train import TrainConfig, Trainer
 from .traces import FIXES, diagnose, format_summary, load_trace, trace_summary
 
-__all__ = ["profile_steps", "format_schedule", "key_average_rows", "format_key_averages",
+__all__ = ["trace_folder", "show_traces", "profile_steps", "format_schedule", "key_average_rows", "format_key_averages",
            "make_trainer", "bottleneck_steps", "naive_vs_proper", "sync_cost", "format_timings",
            "cuda_phase_memory", "memory_snapshot_summary", "format_reference"]
 
@@ -62,6 +63,43 @@ def _quiet_profiler():
             tmp.seek(0)
             lines = tmp.read().decode(errors="replace").splitlines()
             print("\n".join(s for s in lines if s and not any(n in s for n in _NOISE)), file=sys.stderr, end="")
+
+
+# --------------------------------------------------------------------------- where the traces go
+
+# The course's root: course_lib/ sits in it (an editable install, as `make` and Colab's setup cell
+# do it), and JupyterLab (`make lab`) shows it in its file browser.
+COURSE_ROOT = Path(__file__).resolve().parents[2]
+
+
+def trace_folder(name: str = "06_profiling", root: str | os.PathLike | None = None) -> Path:
+    """Chapter 06: the folder for a chapter's profiler traces, runs/<name>/ in the course (made if
+    missing). /runs/ is git-ignored; JupyterLab's file browser shows it, whatever the kernel's cwd."""
+    folder = Path(root or COURSE_ROOT) / "runs" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def show_traces(folder: str | os.PathLike, pattern: str = "*.json") -> list[Path]:
+    """Chapter 06: list the traces in `folder`, with their sizes. In a notebook each name is also a
+    link that downloads the file (to drag into https://ui.perfetto.dev); elsewhere, the full paths."""
+    paths = sorted(Path(folder).glob(pattern))
+    plain = "\n".join(f"{p}  ({p.stat().st_size / 1024:.0f} KiB)" for p in paths) or f"no {pattern} in {folder}"
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:
+        get_ipython = None
+    if get_ipython is None or get_ipython() is None:
+        print(plain)
+        return paths
+    notebooks = COURSE_ROOT / "notebooks"  # links in a chapter's output resolve against the notebook's folder
+    items = "".join(f'<li><a href="{html.escape(os.path.relpath(p, notebooks))}" download>{html.escape(p.name)}</a>'
+                    f" ({p.stat().st_size / 1024:.0f} KiB)</li>" for p in paths)
+    where = html.escape(os.path.relpath(folder, COURSE_ROOT) if Path(folder).is_relative_to(COURSE_ROOT) else folder)
+    display({"text/plain": plain, "text/html": f"<p>In <code>{where}/</code> (click to download):</p><ul>{items}</ul>"
+             f"<p>On this computer: <code>{html.escape(str(Path(folder).resolve()))}</code></p>"}, raw=True)
+    return paths
 
 
 # --------------------------------------------------------------------------- recording
