@@ -1,15 +1,21 @@
 """course_lib.chapters.distributed and ddp_worker: real 2-process torchrun runs on gloo, and the helpers.
 
-Three real launches (each starts torchrun and two ranks, 10-30 s on a 2-core machine): a run that
+Four real launches (each starts torchrun and two ranks, 10-30 s on a 2-core machine): a run that
 works and whose outputs check out, a rank that raises (named, nothing left behind), a rank that
-hangs (stopped by the timeout, nothing left behind). The rest is fast: the command lines, the
-one-process reference and the sampler orders it relies on, the formatting.
+hangs (stopped by the timeout, nothing left behind), a rank that dies while exiting after its work
+(said so). One worker in a subprocess checks its teardown: no process-group thread outlives it. The
+rest is fast: the command lines, the one-process reference and the sampler orders it relies on, the
+formatting. tools/stress_ddp.py runs the notebook's launch 100 times with a core kept busy.
 """
 from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,6 +57,7 @@ def test_a_two_process_run_leaves_identical_parameters_and_nothing_running(good_
     assert good_run.leftovers() == [] and good_run.port_free()
     assert sorted(good_run.logs) == [0, 1]
     assert all(len(line) <= 100 for log in good_run.logs.values() for line in log["stdout"].splitlines())
+    assert not any("outlived destroy_process_group" in log["stderr"] for log in good_run.logs.values())
 
 
 def test_ddp_gradient_is_the_large_batch_gradient(good_run):
@@ -118,6 +125,30 @@ def test_a_hung_rank_is_stopped_by_the_timeout_and_nothing_is_left(tmp_path):
         assert run.port_free()
 
 
+def test_a_rank_that_dies_while_exiting_after_its_work_is_said_to_have_done_so(tmp_path):
+    with pytest.raises(DDPRunError) as info:
+        launch(["--backend", "gloo", "--train-size", "64", "--epochs", "1", "--crash-at-exit", "0"], out=tmp_path,
+               timeout=240)
+    message = str(info.value)
+    assert message.startswith("rank 0 finished its work but crashed while exiting: exit code -6 (signal 6, SIGABRT), "
+                              "last said '[rank 0] injected crash at exit'"), message
+    assert "run the launch again" in message and info.value.run.leftovers() == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="threads are listed from /proc (Linux)")
+def test_the_worker_leaves_no_process_group_thread_running_at_exit(tmp_path):
+    """The cause of the intermittent SIGABRT at exit: DDP (importing torch.distributed.nn late) and FSDP2's mesh
+    (kept by DTensor's caches) held the group, so gloo's threads outlived destroy_process_group."""
+    code = ("import sys; from course_lib.chapters import ddp_worker as w; w.main(sys.argv[1:]); "
+            "print('left:', w._group_threads())")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "0", "OMP_NUM_THREADS": "1"}  # a 1-rank group: the store on a free port
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path), "--backend", "gloo", "--fsdp", "--train-size",
+                           "64", "--epochs", "1"], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "] done" in proc.stdout and "left: []" in proc.stdout, proc.stdout[-500:] + proc.stderr[-3000:]
+
+
 # --------------------------------------------------------------------------- command lines and environment
 
 def test_torchrun_command_for_one_machine_and_for_many():
@@ -141,10 +172,28 @@ def test_the_environment_shares_the_cores_and_marks_every_process(monkeypatch):
 def test_the_first_failure_comes_from_torchruns_summary_when_no_rank_recorded_one(tmp_path):
     run = DDPRun(["torchrun"], tmp_path, returncode=1, launcher_log=(
         "[1]:\n  time      : 2026\n  host      : h\n  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 5)\n"))
-    assert D._first_failure(run) == "rank 1 exited with code -9 (signal 9)"
+    assert D._first_failure(run) == "rank 1 exited with code -9 (signal 9, SIGKILL)"
     (tmp_path / "failed_rank0.json").write_text(json.dumps({"rank": 0, "time": 2.0, "error": "B: later"}))
     (tmp_path / "failed_rank3.json").write_text(json.dumps({"rank": 3, "time": 1.0, "error": "A:\n  first"}))
     assert D._first_failure(run) == "rank 3 failed first: A: first (then rank 0, because it left)"
+
+
+def test_a_rank_that_crashed_after_done_is_named_as_such_and_the_one_torchrun_stopped_too(tmp_path):
+    summary = ("Failures:\n[1]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : -15 (pid: 7)\n"
+               "Root Cause (first observed failure):\n[0]:\n  rank      : 0 (local_rank: 0)\n"
+               "  exitcode  : -6 (pid: 6)\n")
+    logs = {r: {"stdout": f"[rank {r}] done: 32 optimizer steps\n", "stderr": ""} for r in (0, 1)}
+    logs[0]["stderr"] = ("terminate called without an active exception\nFatal Python error: Aborted\n\n"
+                         "Extension modules: numpy\n")  # faulthandler's dump follows what the rank said
+    message = D._first_failure(DDPRun(["torchrun"], tmp_path, returncode=1, logs=logs, launcher_log=summary))
+    assert message.startswith(
+        "rank 0 finished its work but crashed while exiting: exit code -6 (signal 6, SIGABRT), last said 'terminate "
+        "called without an active exception'; rank 1 was then stopped by torchrun (exit code -15 (signal 15, "
+        "SIGTERM)); its work was done (every rank's: "), message
+    assert "run the launch again" in message and "tools/stress_ddp.py" in message
+    logs[1]["stdout"] = "[rank 1] step 3\n"  # rank 1 had not finished: no claim that the outputs are complete
+    message = D._first_failure(DDPRun(["torchrun"], tmp_path, returncode=1, logs=logs, launcher_log=summary))
+    assert "its work was done; what failed is the process's shutdown" in message
 
 
 def test_show_prints_every_rank_with_lines_cut_at_100_characters(tmp_path, capsys):

@@ -19,27 +19,37 @@ Every rank, in order (each step leaves what it found in OUT for the launcher to 
    fp16 with a GradScaler -- one per process -- on a T4), accumulation with no_sync (Trainer),
    rank 0 alone printing progress and writing the checkpoint;
 5. with --fsdp, computes the same gradient with FSDP2 (fully_shard), each rank holding a shard.
-Whatever happens, the process group is destroyed (finally). A rank that fails first writes
+Whatever happens, the process group is destroyed (finally; after a barrier when every rank got
+through), and with it its communication threads: see teardown(). A rank that fails first writes
 OUT/failed_rank<r>.json (time and error), so that the launcher names the rank that failed first,
 not the ones that failed because it left.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+# Before any process group exists: torch.distributed.nn.functional's functions take `group=group.WORLD` as
+# default arguments, evaluated at import. DDP imports it lazily (via torch._dynamo); imported after
+# init_process_group, those defaults would hold the live group for good, destroy_process_group could not free
+# it, and its gloo threads would still run while the interpreter shuts down: the intermittent SIGABRT at exit.
+import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
+from tqdm import tqdm
 
 from ..data import load_dataset, synthetic_batches
 from ..models import MLP
@@ -67,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fail-rank", type=int, default=-1, help="this rank raises at micro-batch --fail-at")
     p.add_argument("--hang-rank", type=int, default=-1, help="this rank stops responding at micro-batch --fail-at")
     p.add_argument("--fail-at", type=int, default=3)
+    p.add_argument("--crash-at-exit", type=int, default=-1, help="this rank aborts after its work is done")
     p.add_argument("--time-steps", type=int, default=0, help="instead: time this many steps of a wide MLP (GPU)")
     p.add_argument("--width", type=int, default=4096, help="width of the timed MLP")
     return p.parse_args(argv)
@@ -155,6 +166,7 @@ def demo(r: Rank, args: argparse.Namespace) -> None:
                       progress=False, log_every=10**9)
     trainer = Trainer(ddp, opt, cfg, loss_fn=_loss_fn(r, args))
     scaler = "on" if trainer.scaler.is_enabled() else "off"
+    tqdm.monitor_interval = 0  # no bar here (progress=False): no tqdm monitor thread either, one fewer at exit
     r.say(f"{trainer.precision} autocast, GradScaler {scaler} (one per process); one step = {r.world} ranks "
           f"x {args.accum} micro-batches x {args.batch}")
     per_epoch = len(loader) // args.accum
@@ -226,6 +238,9 @@ def fsdp_gradient(r: Rank, args: argparse.Namespace, init: dict, x: torch.Tensor
                         "grad_dtype": str(next(model.parameters()).grad.dtype).removeprefix("torch.")}
         r.say(f"FSDP2 {name}: holds {held:,} of {total:,} parameters; gradient vs DDP's: max rel. diff "
               f"{diff:.1e}", everyone=name == "fp32")
+    # DTensor's caches keep this mesh for the life of the process, and the mesh keeps its process groups:
+    # let go of them, or destroy_process_group cannot free the group (see teardown)
+    getattr(mesh, "_pg_registry", {}).clear()
     return result
 
 
@@ -274,11 +289,42 @@ def time_steps(r: Rank, args: argparse.Namespace) -> None:
     r.say(f"median step {statistics.median(times):.2f} ms over {len(times)} steps", everyone=True)
 
 
+def _group_threads() -> list[str]:
+    """This process's threads that belong to process groups: gloo's loops, the store's, NCCL's (Linux)."""
+    names = []
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return sorted(n for n in names if n.startswith(("gloo", "pt_gloo", "pt_tcpstore", "pt_nccl")))
+
+
+def teardown(finished: bool) -> list[str]:
+    """Destroy the process group, so that its threads end now, while the interpreter is whole; returns any left.
+
+    A group's C++ threads (gloo's run loops, its TCP loop) end only when the last reference to the group
+    goes. One still running at interpreter shutdown that needs the GIL there (to drop a tensor of the last
+    collective, to run a Python callback) aborts the process after its work is done: "terminate called
+    without an active exception", SIGABRT, most often when the cores are busy.
+    """
+    if dist.is_initialized():
+        try:
+            if finished:  # after an error, no barrier: the other ranks may be gone
+                dist.barrier()  # every rank past its last collective before any rank closes its connections
+        finally:
+            gc.collect()  # DDP's reducer and FSDP's modules sit in reference cycles, and they hold the group
+            dist.destroy_process_group()
+            gc.collect()
+    return _group_threads()
+
+
 @record  # torchrun's error file: the traceback appears in its summary too
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     r = Rank(args.backend)
     args.out.mkdir(parents=True, exist_ok=True)
+    finished = False
     try:
         if r.device.type == "cuda":
             torch.cuda.set_device(r.device)  # before anything touches CUDA: one GPU per process
@@ -287,13 +333,22 @@ def main(argv: list[str] | None = None) -> None:
         r.say(f"rank {r.rank} of {r.world}, local rank {r.local}, pid {os.getpid()}, {r.backend} on {r.device}, "
               f"store {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}", everyone=True)
         (time_steps if args.time_steps else demo)(r, args)
+        finished = True
     except BaseException as e:
         failure = {"rank": r.rank, "time": time.time(), "error": f"{type(e).__name__}: {e}"}
         (args.out / f"failed_rank{r.rank}.json").write_text(json.dumps(failure))
         raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()  # cleanup: always, also after an error
+        left = teardown(finished)  # always, also after an error
+    if left:  # something unknown here still holds the group: shutting the interpreter down beside its threads
+        # is what aborts, so leave without that (every output file is written and closed by now)
+        print(f"[rank {r.rank}] process-group threads outlived destroy_process_group: {', '.join(left)}; "
+              "exiting without interpreter shutdown", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(0)
+    if r.rank == args.crash_at_exit:
+        print(f"[rank {r.rank}] injected crash at exit", file=sys.stderr, flush=True)
+        os.abort()
 
 
 if __name__ == "__main__":

@@ -3,14 +3,14 @@
     run = launch(["--epochs", "2"])         # 2 processes under torchrun: free port, timeout, logs
     run.show()                              # each rank's log
     python -m course_lib.chapters.distributed run                  # the same from a shell
-    python -m course_lib.chapters.distributed stress --runs 20     # is the 2-process run reliable?
+    python tools/stress_ddp.py --runs 100                          # is the notebook's run reliable? (busy core)
     python -m course_lib.chapters.distributed record --json data/reference/ddp_<gpu>.json   # on GPUs
 
 launch() runs torchrun (`python -m torch.distributed.run --standalone`): its rendezvous store
 binds port 0, so the OS hands out a free port and two runs never collide. Each rank's stdout and
 stderr go to torchrun's --log-dir and come back in the DDPRun. After `timeout` s, an error or an
 interrupt, torchrun and every worker are stopped: no process and no port outlives the call. A
-DDPRunError names the rank that failed first, not the ones that failed because it left.
+DDPRunError names the rank that failed first (also one that crashed exiting, after its work).
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ import re
 import secrets
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -220,15 +219,35 @@ def _first_failure(run: DDPRun) -> str:
     if records:
         first = min(records, key=lambda r: r["time"])
         others = sorted(r["rank"] for r in records if r is not first)
-        after = f" (then rank{'s' * (len(others) > 1)} {', '.join(map(str, others))}, because it left)" \
-            if others else ""
+        after = f" (then rank{'s' * (len(others) > 1)} {', '.join(map(str, others))}, because it left)" * bool(others)
         return f"rank {first['rank']} failed first: {' '.join(first['error'].split())[:300]}{after}"
-    ranks = re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s+exitcode\s*:\s*(-?\d+)", run.launcher_log)
-    if ranks:
-        return "; ".join(f"rank {r} exited with code {c}" + (f" (signal {-int(c)})" if int(c) < 0 else "")
-                         for r, c in dict(ranks).items())
+    codes = {int(r): int(c) for r, c in
+             re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s+exitcode\s*:\s*(-?\d+)", run.launcher_log)}
+    if codes:
+        root = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", run.launcher_log, re.S)  # torchrun: earliest failure
+        first = int(root.group(1)) if root and int(root.group(1)) in codes else next(iter(codes))
+        lines = [_exit_line(run, r, codes[r], first) for r in [first, *sorted(set(codes) - {first})]]
+        if "] done" in run.logs.get(first, {}).get("stdout", ""):
+            done = f"its work was done (every rank's: {run.out} holds all the outputs)" if all(
+                "] done" in log["stdout"] for log in run.logs.values()) else "its work was done"
+            lines.append(f"{done}; what failed is the process's shutdown: run the launch again; if it recurs, "
+                         "`python tools/stress_ddp.py --runs 20` shows how often, err.run.show(tail=True) the logs")
+        return "; ".join(lines)
     tail = " | ".join(run.launcher_log.strip().splitlines()[-3:])
     return f"torchrun exited with code {run.returncode}: {tail[:300]}"
+
+
+def _exit_line(run: DDPRun, rank: int, code: int, first: int) -> str:
+    """'rank 0 finished its work but crashed while exiting: exit code -6 (signal 6, SIGABRT), ...'"""
+    name = signal.Signals(-code).name if -code in signal.valid_signals() else "?"
+    how, log = f"code {code}" + f" (signal {-code}, {name})" * (code < 0), run.logs.get(rank, {})
+    if code == -signal.SIGTERM and rank != first:  # torchrun stops the others when one rank fails
+        return f"rank {rank} was then stopped by torchrun (exit {how})"
+    if "] done" not in log.get("stdout", ""):
+        return f"rank {rank} exited with {how}"
+    head, fatal, dump = log.get("stderr", "").partition("Fatal Python error")  # faulthandler's dump comes after
+    said = (head.strip().splitlines() or [(fatal + dump).split("\n")[0]])[-1][:80]
+    return f"rank {rank} finished its work but crashed while exiting: exit {how}" + f", last said {said!r}" * bool(said)
 
 
 def launch(args: Sequence[str] = (), nproc: int = 2, *, script: str | Path | None = None, module: str = WORKER,
@@ -399,16 +418,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m course_lib.chapters.distributed", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="one 2-process run; prints every rank's log")
-    s = sub.add_parser("stress", help="the 2-process run N times: does it ever fail or hang?")
-    s.add_argument("--runs", type=int, default=20)
+    r.add_argument("--nproc", type=int, default=2)
+    r.add_argument("--timeout", type=float, default=180)
+    r.add_argument("worker_args", nargs=argparse.REMAINDER, help="after --: arguments for ddp_worker")
     g = sub.add_parser("record", help="on GPUs: the nccl run, and DataParallel vs DDP with 2+ GPUs")
     g.add_argument("--json", help="write the results with provenance (data/reference/ddp_<gpu>.json)")
     g.add_argument("--width", type=int, default=4096)
     g.add_argument("--batch", type=int, default=256, help="batch per GPU")
-    for q in (r, s):
-        q.add_argument("--nproc", type=int, default=2)
-        q.add_argument("--timeout", type=float, default=180)
-        q.add_argument("worker_args", nargs=argparse.REMAINDER, help="after --: arguments for ddp_worker")
     args = p.parse_args(argv)
     extra = [a for a in getattr(args, "worker_args", []) if a != "--"]
     if args.cmd == "run":
@@ -416,22 +432,6 @@ def main(argv: list[str] | None = None) -> int:
         run.show()
         print(f"finished in {run.seconds:.1f} s; {_check_run(run)}; outputs in {run.out}")
         return 0
-    if args.cmd == "stress":
-        times, failures = [], []
-        for i in range(1, args.runs + 1):
-            t0 = time.monotonic()
-            try:
-                verdict = _check_run(launch(extra, args.nproc, timeout=args.timeout))
-                times.append(time.monotonic() - t0)
-            except (DDPRunError, AssertionError, OSError) as e:
-                failures.append(i)
-                verdict = f"FAILED: {str(e).splitlines()[0][:70]}"
-            print(f"run {i:>2}/{args.runs}: {time.monotonic() - t0:5.1f} s  {verdict}", flush=True)
-        ok = args.runs - len(failures)
-        spread = (f"; median {statistics.median(times):.1f} s, min {min(times):.1f}, max {max(times):.1f}"
-                  if times else "")
-        print(f"{ok}/{args.runs} runs succeeded{spread}" + (f"; failed: {failures}" if failures else ""))
-        return 0 if not failures else 1
     from ..reference import record
     if not torch.cuda.is_available():
         print("record needs CUDA GPUs (nccl); on a CPU the notebook's own gloo run is the measurement")

@@ -50,6 +50,7 @@ HARNESS = '''import json, os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # before any group: imported later (by DDP) its defaults would keep the group alive
 import torch.nn as nn
 from torch.amp.grad_scaler import GradScaler
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
