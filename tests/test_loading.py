@@ -197,3 +197,12 @@ def test_copy_timings_on_a_gpu():
     pageable, pinned = rows[0], rows[1]
     assert pinned["host_ms"] < pageable["host_ms"]  # the pinned copy does not hold the Python thread
     print(L.format_copy_rows(rows))
+
+
+def test_one_slow_step_does_not_set_a_rate():
+    """Chapter 07 sizes everything from one core's supply: a single slow step (the first one on a fresh
+    Run All) used to pull the mean-based rate to a quarter of the typical one."""
+    from course_lib.chapters.loading import LoaderRun
+    run = LoaderRun("one core", 32, wait_ms=[10.0] * 8, step_ms=[10.0] * 7 + [300.0], first_batch_ms=50.0)
+    assert run.typical_images_per_s == pytest.approx(3200)
+    assert run.images_per_s < 0.25 * run.typical_images_per_s  # the throughput really was that low
