@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import numpy as np
 import pytest
@@ -140,7 +141,20 @@ def test_check_prints_the_hint_after_a_failed_attempt_only(capsys):
     check("98.double", lambda x: x + x + 1)
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("❌ 98.double — double(") and "returned" in out[0] and "expected" in out[0]
-    assert out[1] == "   hint: multiply by two" and len(out) == 2
+    assert out[-1] == "   hint: multiply by two" and len(out) == 2
+
+
+def test_a_long_message_wraps_within_100_characters_between_words(capsys):
+    words = " ".join(f"word{i:03d}" for i in range(60))
+
+    def raises(x):
+        raise ValueError(words)
+    check("98.double", raises)
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) > 2 and all(len(line) <= 100 for line in out)
+    tokens = re.findall(r"\bword\w*", " ".join(out[:-1]))
+    assert len(tokens) > 20 and all(re.fullmatch(r"word\d{3}", t) for t in tokens)  # no word cut in two
+    assert out[1].startswith("   ") and out[-1] == "   hint: multiply by two"
     check("98.double", _stub)
     assert capsys.readouterr().out == "❌ 98.double — not attempted yet: the cell still raises NotImplementedError\n"
 

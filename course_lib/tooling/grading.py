@@ -32,6 +32,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -506,12 +507,20 @@ def check(name: str, *objects: Any) -> None:
     try:
         status, message, c = run_check(name, *objects)
     except KeyError as e:
-        print(f"❌ {name} — {e.args[0]}")
+        print(_wrapped(f"❌ {name} — {e.args[0]}"))
         return
     except Exception as e:  # a broken check must not break the learner's notebook
-        print(f"❌ {name} — the check itself failed: {_brief(e)}")
+        print(_wrapped(f"❌ {name} — the check itself failed: {_brief(e)}"))
         return
     if status == "passed":
         print(f"✅ {name} — passed ({c.points}/{c.points} points)")
     else:
-        print(f"❌ {name} — {message}" + (f"\n   hint: {c.hint}" if c.hint and status == "failed" else ""))
+        print(_wrapped(f"❌ {name} — {message}")
+              + (f"\n{_wrapped(f'   hint: {c.hint}', indent=' ' * 9)}" if c.hint and status == "failed" else ""))
+
+
+def _wrapped(text: str, indent: str = "   ", width: int = 100) -> str:
+    """A message as lines of at most `width` characters, broken between words (a notebook's output
+    area wraps long lines wherever the window ends, mid-word); its own line breaks are kept."""
+    return "\n".join(textwrap.fill(part, width, subsequent_indent=indent, break_long_words=False,
+                                   break_on_hyphens=False) or part for part in text.split("\n"))
