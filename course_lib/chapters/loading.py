@@ -171,13 +171,7 @@ class LoaderRun:
 
     @property
     def images_per_s(self) -> float:
-        """Throughput over the whole run: what the loop delivered, slow steps included."""
         return 1000 * self.batch_size * len(self.step_ms) / sum(self.step_ms)
-
-    @property
-    def typical_images_per_s(self) -> float:
-        """The rate of a typical step (the median): one slow step does not set it."""
-        return 1000 * self.batch_size / self.step.median_ms
 
     @property
     def step(self) -> Timing:
