@@ -6,8 +6,9 @@ registers its checks with `course_lib.tooling.grading.register`. The checks ship
 course_lib so that `check()` works on Colab, where there is no repository checkout.
 
 Extra check modules outside the package (an instructor's hidden checks, or test fixtures)
-are loaded from the files listed in $COURSE_EXTRA_CHECKS (separated by os.pathsep). The
-variable is passed on to the grading sandboxes, so they see the same checks.
+are loaded from the files listed in $COURSE_EXTRA_CHECKS (separated by os.pathsep), by the
+grader and by the inline check() alike. A grading sandbox never sees a check module, these
+included: their kernel side goes in $COURSE_EXTRA_PROBES (course_lib/tooling/probes).
 
 A module that fails to import does not take the other chapters down with it: its error is
 kept in `errors` and reported by `check()` and the grader for that chapter.
