@@ -48,6 +48,7 @@ def record(command: str, text: str, json_path: str | Path | None, **payload: obj
     print(_headline(prov))
     print(text)
     if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)  # data/reference/ on a fresh clone
         Path(json_path).write_text(json.dumps({"provenance": prov, **payload}, indent=2) + "\n")
         print(f"wrote {json_path}")
     return prov

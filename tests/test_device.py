@@ -77,7 +77,8 @@ def test_one_cpu_rule_for_recommendation_trainer_auto_and_hardware_report(monkey
     ("Tesla T4", "fp16", 65.0), ("Tesla T4", "bf16", None), ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
     ("NVIDIA H100 80GB HBM3", "bf16", 989.4), ("NVIDIA H100 PCIe", "tf32", 378.0), ("NVIDIA H200", "fp32", 66.9),
     ("NVIDIA L4", "fp16", 121.0), ("NVIDIA A10", "bf16", 125.0),
-    ("NVIDIA H100 NVL", "bf16", None), ("NVIDIA A10G", "bf16", None), ("NVIDIA GeForce RTX 4090", "bf16", None),
+    ("NVIDIA H100 NVL", "bf16", 835.5), ("NVIDIA H200 NVL", "bf16", 835.5), ("NVIDIA H200", "bf16", 989.4),
+    ("NVIDIA A10G", "bf16", None), ("NVIDIA GeForce RTX 4090", "bf16", None),
 ])
 def test_peak_table_knows_datasheet_gpus_and_says_unknown_for_the_rest(name, dtype, peak):
     assert D.peak_tflops(name, dtype) == peak

@@ -40,11 +40,12 @@ def test_course_ladder_adds_one_change_per_rung_and_skips_compiling_on_a_cpu():
     rows = ladder.course_ladder("cpu", batch=4, steps=1)
     assert [r["mode"].split(" (")[0] for r in rows] == [
         "fp32, DataLoader", f"+ AMP {rows[1].get('precision', 'bf16')}", "+ channels_last", "+ fused AdamW",
-        "+ torch.compile", "+ data on the device"]
-    assert "compiling takes minutes" in rows[4]["note"] and rows[5]["mode"].endswith("(eager)")
+        "+ torch.compile", "+ 4 workers, pinned", "+ data on the device"]
+    assert all("compiling takes minutes" in r["note"] for r in rows[4:6]) and rows[6]["mode"].endswith("(eager)")
     timed = [r for r in rows if "ms_per_step" in r]
     assert len(timed) == 5 and timed[0]["speedup"] == 1.0 and timed[0]["precision"] == "fp32"
-    assert all(r["samples_per_s"] > 0 for r in timed)
+    assert all(r["samples_per_s"] > 0 and 0 <= r["data_wait"] <= 1 for r in timed)
+    assert [r["feed"] for r in timed] == ["loader"] * 4 + ["device"]
 
 
 def test_accuracy_parity_trains_two_seeds_and_mixed_precision_and_reads_them():
@@ -85,12 +86,21 @@ def _row(mode, img_s, mem, channels_last=False):
 def test_targets_are_ratios_of_measured_rows():
     rows = [_row("FP32 (strict)", 800, 20.0), _row("TF32", 1500, 20.0), _row("AMP bf16", 2600, 12.0),
             _row("AMP bf16 + channels_last", 3000, 12.5, True), {"mode": "AMP fp16", "note": "x"}]
-    goals = {t["goal"]: t for t in ladder.targets(rows, [{"mfu": 0.41}, {"mfu": None}])}
+    gpt = [{"mode": "FP32 (strict)", "ms_per_step": 9, "mfu": 0.5}, {"mode": "+ fused AdamW", "ms_per_step": 1,
+                                                                      "mfu": 0.30}, {"mode": "x", "note": "skipped"}]
+    course = [{"feed": "loader", "data_wait": 0.5, "samples_per_s": 10}, {"feed": "workers", "data_wait": 0.04,
+                                                                            "samples_per_s": 30},
+              {"feed": "device", "data_wait": 0.0, "samples_per_s": 50}]
+    goals = {t["goal"]: t for t in ladder.targets(rows, gpt, course)}
     assert goals["ResNet-50 best AMP images/s"]["value"] == 3000 and goals["ResNet-50 best AMP images/s"]["met"]
     assert goals["ResNet-50 speed, best AMP / strict FP32"]["value"] == pytest.approx(3.75)
     assert goals["ResNet-50 speed, best AMP / TF32"]["value"] == pytest.approx(2.0)
     assert goals["ResNet-50 peak memory, AMP / FP32 (same batch, NCHW)"]["value"] == pytest.approx(0.6)
-    assert goals["GPT best MFU"]["met"] is True
+    mfu = goals["GPT MFU, full recipe, against one named peak"]
+    assert mfu["value"] == 0.30 and mfu["met"] is False  # the last rung, not a better-looking earlier one
+    wait = goals["data wait, course model, best DataLoader rung"]
+    assert wait["value"] == 0.04 and wait["met"] is True  # the fastest loader-fed rung; data on the device is no loader
+    assert goals["ResNet-50 best AMP images/s"]["stretch_met"] is False  # 3,000 < 3,200
     cpu = {t["goal"]: t for t in ladder.targets([_row("FP32 (strict)", 10, None)])}
     assert cpu["ResNet-50 best AMP images/s"]["met"] is None and "n/a" in ladder.format_targets(list(cpu.values()))
 
@@ -101,3 +111,33 @@ def test_cli_records_rows_with_provenance(tmp_path):
     data = json.loads(out.read_text())
     assert data["provenance"]["command"].startswith("python -m course_lib.chapters.ladder checkpointing")
     assert len(data["checkpointing"]) == 2 and "targets" not in data
+
+
+def test_every_gpt_rung_is_measured_against_one_named_peak(monkeypatch):
+    # On an H100 the peak is bf16's dense 989.4 TFLOP/s for every rung, strict FP32 included: a
+    # strict-FP32 rung divided by the fp32 peak (66.9) would look 15x better used than it is.
+    monkeypatch.setattr(ladder, "_gpu_name", lambda dev: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(ladder, "mixed_precision_for", lambda dev: "bf16")
+    rows = [r for r in ladder.gpt_ladder("cpu", batch=1, seq=8, steps=1) if "ms_per_step" in r]
+    assert {r["mfu_peak"] for r in rows} == {"NVIDIA H100 80GB HBM3 dense bf16, 989.4 TFLOP/s"}
+    assert all(r["mfu"] == pytest.approx(r["model_tflops"] / 989.4) for r in rows)
+
+
+def test_matmul_ceiling_times_the_devices_mixed_precision_not_always_bf16(monkeypatch):
+    asked = []
+    monkeypatch.setattr(ladder, "pick_device", lambda device: ladder.torch.device("cuda"))
+    monkeypatch.setattr(ladder, "matmul_tflops", lambda n, dtype, dev: asked.append(dtype) or (50.0, 1.0))
+    for amp, dtype in (("fp16", ladder.torch.float16), ("bf16", ladder.torch.bfloat16)):  # a T4, an H100
+        monkeypatch.setattr(ladder, "mixed_precision_for", lambda dev, amp=amp: amp)
+        assert ladder.matmul_ceiling() == 50.0 and asked[-1] == dtype
+
+
+def test_resnet50_cli_probes_the_largest_batch_in_the_devices_mixed_precision(monkeypatch, tmp_path):
+    # A T4 or V100 has no native bf16: the probe must ask for fp16 there, not crash on bf16.
+    probed = []
+    monkeypatch.setattr(ladder, "resnet50_ladder", lambda device: [])
+    monkeypatch.setattr(ladder, "mixed_precision_for", lambda dev: "fp16")
+    monkeypatch.setattr(ladder, "largest_batch", lambda precision, device: probed.append(precision) or {})
+    out = tmp_path / "data" / "reference" / "ladder_resnet50_t4.json"  # folders that do not exist yet
+    assert ladder.main(["resnet50", "--device", "cpu", "--json", str(out)]) == 0
+    assert probed == ["fp32", "fp16"] and json.loads(out.read_text())["largest_batch"] == [{}, {}]

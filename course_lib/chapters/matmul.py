@@ -31,10 +31,11 @@ __all__ = ["matmul_error", "matmul_table", "matmul_table_text", "matmul_speed_ta
 # sm_90); a GPU missing here has them, but no figure is cited. Sources (public):
 #   H100 SXM  FP8 3,958 (sparse)  https://www.nvidia.com/en-us/data-center/h100/
 #   H200      FP8 3,958 (sparse)  https://www.nvidia.com/en-us/data-center/h200/
+#   H100/H200 NVL  FP8 3,341 (sparse)  (the same pages)
 #   L4        FP8   485 (sparse)  https://resources.nvidia.com/en-us-data-center-overview/l4-gpu-datasheet
 FP8_PEAK_TFLOPS: dict[str, float | None] = {
     "V100 SXM2": None, "V100 PCIe": None, "T4": None, "A10": None, "A100": None,
-    "L4": 242.5, "H100 SXM": 1979.0, "H200": 1979.0,
+    "L4": 242.5, "H100 SXM": 1979.0, "H200": 1979.0, "H100 NVL": 1670.5, "H200 NVL": 1670.5,
 }
 
 
