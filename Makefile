@@ -7,10 +7,11 @@ VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 # pytest arguments shared by the CPU and the GPU tier: library tests + every teaching and
 # exercise notebook executed by nbval cell by cell, as Run All would (stored outputs are
-# compared only in nbval-check-output cells; conftest.py hides CUDA in the CPU tier). The
-# solution notebooks are executed once, by the batch grader in tests/test_grader.py, which
-# fails on any cell that raises and on any task short of full marks: nbval would run them twice.
-NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=600
+# compared only in nbval-check-output cells, after tests/nbval_sanitize.cfg; conftest.py hides
+# CUDA in the CPU tier). The solution notebooks are executed once, by the batch grader in
+# tests/test_grader.py, which fails on any cell that raises and on any task short of full marks:
+# nbval would run them twice.
+NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=600 --nbval-sanitize-with tests/nbval_sanitize.cfg
 SUITE  := tests notebooks exercises
 LAB_ARGS ?=
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.

@@ -212,11 +212,24 @@ def test_e4m3fn_overflow_starts_after_the_tie_at_464():
     assert F.fate(464.0001, "e4m3") == "overflow"
 
 
-def test_e4m3fn_out_of_range_saturates_on_this_torch():
-    # Chapter 01 §7 says the installed torch saturates (older releases gave NaN). If this fails,
-    # torch changed its fp8 conversion: update the chapter's text.
-    out = torch.tensor([465.0, 1e6, math.inf, -math.inf]).to(torch.float8_e4m3fn).float()
-    assert out.tolist() == [448.0, 448.0, 448.0, -448.0]
+def test_e4m3fn_beyond_its_range_saturates_or_gives_nan_and_chapter_01_accepts_either():
+    # torch 2.14 saturates to +-448; torch 2.11 (the GPU run of 2026-11-26) gave NaN. Chapter 01's
+    # compared table must pass on both (tests/nbval_sanitize.cfg) and its section 7 says which.
+    import configparser
+    import re
+    from pathlib import Path
+
+    out = torch.tensor([465.0, 1e6, math.inf, -math.inf]).to(torch.float8_e4m3fn).float().tolist()
+    assert out == [448.0, 448.0, 448.0, -448.0] or all(math.isnan(v) for v in out)
+    cfg = configparser.ConfigParser()
+    cfg.read(Path(__file__).with_name("nbval_sanitize.cfg"))
+    rule = next(sec for sec in cfg.sections() if "e4m3fn" in sec)
+
+    def clean(s: str) -> str:
+        return re.sub(cfg[rule]["regex"], cfg[rule]["replace"], s)
+    row = "  100000         inf overflow        99840 normal     {:>10.5g} overflow"
+    assert clean(row.format(448.0)) == clean(row.format(math.nan)) != clean(row.format(512.0))
+    assert clean("  448 normal") == "  448 normal"  # 448 itself, in range, is compared as it is
 
 
 def test_fates_counts_fractions_of_nonzero_finite_entries():

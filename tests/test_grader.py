@@ -338,6 +338,7 @@ def graded(tmp_path_factory) -> dict:
     seconds = time.monotonic() - started
     time.sleep(5)  # the daemon would write its marker 4 s after its notebook ran
     listener.stop = True
+    assert (tmp / "out" / "gradebook.json").exists(), f"the grader wrote no gradebook:\n{proc.stdout}\n{proc.stderr}"
     return {"proc": proc, "table": by_student(tmp / "out"), "out": tmp / "out", "course": course, "home": home,
             "before": before, "marker": marker, "listener": listener, "seconds": seconds}
 

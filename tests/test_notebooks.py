@@ -190,16 +190,15 @@ def test_chapter_00_links_every_chapter_its_exercises_and_the_readme():
 # --------------------------------------------------------------------------- printed tables
 
 def test_the_targets_table_of_chapter_09_is_aligned_within_100_columns():
-    from course_lib.chapters.ladder import format_targets, targets
+    from course_lib.chapters.targets import format_targets, targets
 
     rows = targets([], None)
-    rows[0].update(value=3123.4, met=True)  # the widest numbers a recorded run gives
-    rows[3].update(value=0.7012, met=False)
+    rows[0].update(value=3123.4, met=True, stretch_met=False)  # the widest numbers a recorded run gives
+    rows[3].update(value=0.7012, met=False, stretch_met=False)
     lines = format_targets(rows).splitlines()
-    assert all(len(line) <= 100 for line in lines)
-    ends = [len(line.rstrip()) for line in lines]
-    assert len(set(ends)) <= 2  # "met" and "n/a" end together, "yes" and "NO" one column apart
-    for line in lines[1:]:  # goal, value, target and met, separated by at least two spaces
+    assert all(len(line) <= 100 for line in lines) and len({len(line) for line in lines}) == 1  # columns align
+    for line in lines[1:]:  # goal, value, target, met, stretch goal, met: at least two spaces apart
         fields = re.split(r"\s{2,}", line.strip())
-        assert len(fields) == 4 and fields[2][:2] in (">=", "<=") and fields[3] in ("yes", "NO", "n/a"), line
-    assert "3,123" in lines[1] and ">= 2,470" in lines[1] and "<= 0.65  NO" in lines[4]
+        assert len(fields) == 6 and fields[2][:2] in (">=", "<=") and fields[3] in ("yes", "NO", "n/a"), line
+        assert fields[5] in ("yes", "NO", "n/a", "-") and (fields[4] == "-") == (fields[5] == "-"), line
+    assert "3,123" in lines[1] and ">= 2,470  yes   >= 3,200   NO" in lines[1] and "<= 0.65   NO" in lines[4]

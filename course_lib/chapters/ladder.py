@@ -31,14 +31,10 @@ from ..timing import peak_memory_bytes, saved_tensor_bytes, time_fn
 from ..train import History, TrainConfig, Trainer
 from .bench import mixed_precision_for, step_row
 from .matmul import matmul_tflops
+from .targets import format_targets, targets
 
 __all__ = ["course_ladder", "resnet50_ladder", "largest_batch", "gpt_ladder", "optimizer_table", "checkpointing_table",
-           "targets", "format_rows", "format_targets", "accuracy_parity", "read_parity"]
-
-# The performance targets of the course on an H100/H200 (COURSE_SPEC section 8), as ratios measured in
-# one run: (target, stretch). The stretch goals are what issue 19 asked for; None: no stretch goal.
-TARGETS = {"resnet50_img_s": (2470.0, 3200.0), "amp_vs_strict_fp32": (3.0, None), "amp_vs_tf32": (1.8, None),
-           "amp_memory_vs_fp32": (0.65, 0.60), "gpt_mfu": (0.33, 0.40), "data_wait": (0.05, None)}
+           "format_rows", "accuracy_parity", "read_parity"]
 
 
 def _with_speedup(rows: list[dict]) -> list[dict]:
@@ -385,67 +381,11 @@ def read_parity(runs: dict[str, History]) -> str:
                                     f"mixed-precision difference is {verdict}.", 100)])
 
 
-# --------------------------------------------------------------------------- targets and tables
-
-def targets(resnet_rows: list[dict], gpt_rows: list[dict] | None = None,
-            course_rows: list[dict] | None = None) -> list[dict]:
-    """Chapter 09: the course's performance targets computed from ladder rows: value, target, stretch, met.
-
-    MFU is the GPT's full recipe (its last rung) against the one peak its rows name; the data wait
-    is the share of step time the course's model spent in next() on its best DataLoader-fed rung."""
-    def row(prefix: str, channels_last: bool = False) -> dict | None:
-        return next((r for r in resnet_rows if r["mode"].startswith(prefix) and "ms_per_step" in r
-                     and r.get("channels_last") == channels_last), None)
-
-    fp32, tf32_row = row("FP32"), row("TF32")
-    amp = max((r for r in resnet_rows if r["mode"].startswith("AMP") and "ms_per_step" in r),
-              key=lambda r: r["samples_per_s"], default=None)
-    amp_same_layout = row(amp["mode"].split(" +")[0], False) if amp else None
-
-    def ratio(a: dict | None, b: dict | None, key: str) -> float | None:
-        return a[key] / b[key] if a and b and a.get(key) and b.get(key) else None
-
-    timed_gpt = [r for r in gpt_rows or [] if "ms_per_step" in r]
-    full_recipe_mfu = timed_gpt[-1].get("mfu") if timed_gpt else None
-    fed = [r for r in course_rows or [] if r.get("feed") in ("loader", "workers") and "data_wait" in r]
-    best_fed = max(fed, key=lambda r: r["samples_per_s"], default=None)
-    out = [("ResNet-50 best AMP images/s", amp["samples_per_s"] if amp else None, "resnet50_img_s", ">="),
-           ("ResNet-50 speed, best AMP / strict FP32", ratio(amp, fp32, "samples_per_s"), "amp_vs_strict_fp32", ">="),
-           ("ResNet-50 speed, best AMP / TF32", ratio(amp, tf32_row, "samples_per_s"), "amp_vs_tf32", ">="),
-           ("ResNet-50 peak memory, AMP / FP32 (same batch, NCHW)",
-            ratio(amp_same_layout, fp32, "peak_memory_gib"), "amp_memory_vs_fp32", "<="),
-           ("GPT MFU, full recipe, against one named peak", full_recipe_mfu, "gpt_mfu", ">="),
-           ("data wait, course model, best DataLoader rung", best_fed["data_wait"] if best_fed else None,
-            "data_wait", "<=")]
-
-    def meets(value: float | None, goal: float | None, sense: str) -> bool | None:
-        return None if value is None or goal is None else (value >= goal if sense == ">=" else value <= goal)
-
-    return [{"goal": goal, "value": value, "target": TARGETS[key][0], "stretch": TARGETS[key][1], "sense": sense,
-             "met": meets(value, TARGETS[key][0], sense), "stretch_met": meets(value, TARGETS[key][1], sense)}
-            for goal, value, key, sense in out]
-
-
-def format_targets(rows: list[dict]) -> str:
-    """Chapter 09: targets() as an aligned table within 100 columns; 'n/a' where nothing measured the goal."""
-    def num(v: float) -> str:  # images/s as a whole number, ratios and MFU with two decimals
-        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.2f}"
-
-    def word(met: bool | None) -> str:
-        return "n/a" if met is None else ("yes" if met else "NO")
-
-    out = [f"{'goal':<54}{'value':>9}{'target':>10}  met{'stretch':>10}  met"]
-    for r in rows:
-        value = "n/a" if r["value"] is None else num(r["value"])
-        stretch = "-" if r.get("stretch") is None else r["sense"] + " " + num(r["stretch"])
-        out.append(f"{r['goal'][:53]:<54}{value:>9}{r['sense'] + ' ' + num(r['target']):>10}  {word(r['met']):<3}"
-                   f"{stretch:>10}  {word(r.get('stretch_met')) if r.get('stretch') is not None else ''}".rstrip())
-    return "\n".join(out)
-
+# --------------------------------------------------------------------------- tables
 
 def format_rows(rows: list[dict]) -> str:
-    """Chapter 09: ladder rows as a table of at most 100 columns (MFU and memory where measured)."""
-    out = [f"{'rung':<32}{'ms/step':>9}{'middle half':>15}{'speed-up':>9}{'throughput':>13}{'mem/MFU':>11}"]
+    """Chapter 09: ladder rows as a table of at most 100 columns (MFU, memory or data wait where measured)."""
+    out = [f"{'rung':<32}{'ms/step':>9}{'middle half':>15}{'speed-up':>9}{'throughput':>13}{'mem/MFU/wait':>14}"]
     for r in rows:
         if "ms_per_step" not in r:
             out.append(f"{r['mode']:<32}  skipped: {r['note']}")
@@ -454,9 +394,10 @@ def format_rows(rows: list[dict]) -> str:
                 f"{r['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in r else "")
         extra = (f"{r['mfu']:.0%} MFU" if r.get("mfu") is not None else
                  f"{r['peak_memory_gib']:.2f} GiB" if r.get("peak_memory_gib") is not None else
-                 f"{r['saved_mib']:.1f} MiB" if "saved_mib" in r else "")
+                 f"{r['saved_mib']:.1f} MiB" if "saved_mib" in r else
+                 f"{r['data_wait']:.0%} wait" if r.get("data_wait") is not None else "")
         half = f"{r['ms_q1']:.1f}-{r['ms_q3']:.1f}"
-        out.append(f"{r['mode']:<32}{r['ms_per_step']:>9.1f}{half:>15}{r['speedup']:>8.2f}x{rate:>13}{extra:>11}")
+        out.append(f"{r['mode']:<32}{r['ms_per_step']:>9.1f}{half:>15}{r['speedup']:>8.2f}x{rate:>13}{extra:>14}")
     return "\n".join(out)
 
 
