@@ -141,3 +141,18 @@ def test_resnet50_cli_probes_the_largest_batch_in_the_devices_mixed_precision(mo
     out = tmp_path / "data" / "reference" / "ladder_resnet50_t4.json"  # folders that do not exist yet
     assert ladder.main(["resnet50", "--device", "cpu", "--json", str(out)]) == 0
     assert probed == ["fp32", "fp16"] and json.loads(out.read_text())["largest_batch"] == [{}, {}]
+
+
+def test_largest_batch_doubles_until_out_of_memory_with_one_untimed_step_per_probe(monkeypatch):
+    asked = []
+
+    def step_row(model, precision, device, *, batch, steps, warmup=3, channels_last=False):
+        asked.append((batch, steps, warmup))
+        if batch > 256:
+            raise ladder.torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return {}
+    monkeypatch.setattr(ladder, "pick_device", lambda device: ladder.torch.device("cuda"))
+    monkeypatch.setattr(ladder, "step_row", step_row)
+    found = ladder.largest_batch("fp16")
+    assert found["largest_batch"] == 256 and found["note"] == ""
+    assert asked == [(64, 1, 0), (128, 1, 0), (256, 1, 0), (512, 1, 0)]  # no warm-up: a probe times nothing

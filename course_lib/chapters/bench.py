@@ -99,9 +99,9 @@ def _rows_spec(dev: torch.device, model: str) -> list[tuple[str, str, bool, bool
 
 
 def step_row(model: str, precision: str, device: torch.device, *, batch: int, steps: int, allow_tf32: bool = False,
-             channels_last: bool = False, shape: tuple[int, ...] | None = None) -> dict:
+             channels_last: bool = False, shape: tuple[int, ...] | None = None, warmup: int = 3) -> dict:
     """Time one training step of the course's loop (Trainer.train_step) on a synthetic on-device
-    batch: median and quartiles of `steps` steps after warm-up, samples/s, peak memory (CUDA)."""
+    batch: median and quartiles of `steps` steps after `warmup` steps, samples/s, peak memory (CUDA)."""
     default_shape, kwargs, num_classes = WORKLOADS[model]
     (x, y), = synthetic_batches(1, batch, shape=shape or default_shape, num_classes=num_classes, device=device,
                                 seed=0)
@@ -116,7 +116,7 @@ def step_row(model: str, precision: str, device: torch.device, *, batch: int, st
     benchmark, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, torch.device(device).type == "cuda"
     try:
         with tf32(allow_tf32):
-            timing = time_fn(step, warmup=3, iters=steps, device=device)
+            timing = time_fn(step, warmup=warmup, iters=steps, device=device)
             peak = peak_memory_bytes(step, device)
     finally:
         torch.backends.cudnn.benchmark = benchmark

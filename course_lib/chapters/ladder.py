@@ -27,14 +27,14 @@ from ..data import load_dataset, make_loader
 from ..device import cuda_capability, has_native_bf16, peak_tflops, pick_device, tf32
 from ..models import GPT, GPTConfig, SimpleCNN
 from ..reference import record
-from ..timing import peak_memory_bytes, saved_tensor_bytes, time_fn
+from ..timing import Timing, compare, peak_memory_bytes, saved_tensor_bytes, time_fn
 from ..train import History, TrainConfig, Trainer
 from .bench import mixed_precision_for, step_row
 from .matmul import matmul_tflops
 from .targets import format_targets, targets
 
 __all__ = ["course_ladder", "resnet50_ladder", "largest_batch", "gpt_ladder", "optimizer_table", "checkpointing_table",
-           "format_rows", "accuracy_parity", "read_parity"]
+           "format_rows", "read_rungs", "accuracy_parity", "read_parity"]
 
 
 def _with_speedup(rows: list[dict]) -> list[dict]:
@@ -177,7 +177,8 @@ def largest_batch(precision: str = "bf16", channels_last: bool = True, device: s
     fits, batch = None, start
     while batch <= limit:
         try:
-            step_row("resnet50", precision, dev, batch=batch, steps=1, channels_last=channels_last)
+            # does it train? One step and the peak-memory step: no warm-up, nothing to time
+            step_row("resnet50", precision, dev, batch=batch, steps=1, warmup=0, channels_last=channels_last)
             fits, batch = batch, batch * 2
         except torch.cuda.OutOfMemoryError:
             break
@@ -399,6 +400,14 @@ def format_rows(rows: list[dict]) -> str:
         half = f"{r['ms_q1']:.1f}-{r['ms_q3']:.1f}"
         out.append(f"{r['mode']:<32}{r['ms_per_step']:>9.1f}{half:>15}{r['speedup']:>8.2f}x{rate:>13}{extra:>14}")
     return "\n".join(out)
+
+
+def read_rungs(rows: list[dict]) -> str:
+    """Chapter 09: each timed rung against the one before it, in words (course_lib.timing.compare):
+    faster or slower, by what factor, and whether the difference is larger than the spread."""
+    timed = [r for r in rows if "times_ms" in r]
+    return "\n".join(compare({a["mode"]: Timing(a["times_ms"]), b["mode"]: Timing(b["times_ms"])}, a["mode"])
+                     for a, b in zip(timed, timed[1:]))
 
 
 def main(argv: list[str] | None = None) -> int:
