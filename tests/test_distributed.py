@@ -281,3 +281,26 @@ def test_the_gpu_reference_is_readable_with_one_gpu_and_with_several():
             for m, g, t in (("1 GPU", 1, 10.0), ("DataParallel", 2, 14.0), ("DDP", 2, 11.0))]
     text = format_timing_reference({"nccl_runs": [], "dp_vs_ddp": rows})
     assert "DataParallel" in text and all(len(line) <= 100 for line in text.splitlines())
+
+
+def test_dataparallel_replicas_keep_the_autocast_dtype_only_when_forward_sets_it():
+    # DataParallel runs each replica in a new thread under autocast(device, enabled=...) without a
+    # dtype (torch/nn/parallel/parallel_apply.py); the dtype is per thread. The same on a CPU:
+    import threading
+
+    from course_lib.chapters.ddp_worker import AutocastForward
+
+    torch.manual_seed(0)
+    lin, x, seen = torch.nn.Linear(8, 8), torch.randn(4, 8), {}
+
+    def replica(name, module):
+        with torch.autocast("cpu", enabled=True):  # what parallel_apply does in its worker thread
+            seen[name] = module(x).dtype
+
+    with torch.autocast("cpu", dtype=torch.float16):  # the caller's region asks for fp16
+        for name, module in (("bare", lin), ("wrapped", AutocastForward(lin, torch.float16))):
+            t = threading.Thread(target=replica, args=(name, module))
+            t.start()
+            t.join()
+    assert seen == {"bare": torch.bfloat16, "wrapped": torch.float16}  # bare: the thread's default dtype
+    assert AutocastForward(lin, None)(x).dtype == torch.float32  # None: autocast off

@@ -244,6 +244,24 @@ def fsdp_gradient(r: Rank, args: argparse.Namespace, init: dict, x: torch.Tensor
     return result
 
 
+class AutocastForward(nn.Module):
+    """Chapter 08: run `model`'s forward under autocast(dtype) in whichever thread calls it.
+
+    DataParallel runs each replica in a thread of its own and re-enters autocast there with
+    `enabled` alone (torch/nn/parallel/parallel_apply.py); the autocast dtype is per thread, so
+    the replicas fall back to the default, fp16 on CUDA, inside an outer bf16 region. Autocast in
+    the forward itself, as the AMP examples page does for DataParallel, carries the dtype along.
+    """
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.model, self.dtype = model, dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None):
+            return self.model(x)
+
+
 def _bench_model(width: int) -> nn.Module:
     """A wide MLP for step timing: enough work per step that communication has something to hide behind."""
     return MLP(in_features=width, hidden=width, depth=4, num_classes=width // 4)

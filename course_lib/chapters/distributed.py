@@ -361,7 +361,7 @@ def dp_vs_ddp(width: int = 4096, batch: int = 256, steps: int = 30) -> list[dict
     """Chapter 08: step time on 1 GPU, DataParallel over all GPUs, DDP over all GPUs (same batch per GPU)."""
     from ..device import recommend_precision
     from ..timing import time_fn
-    from .ddp_worker import _bench_model, _bench_step
+    from .ddp_worker import AutocastForward, _bench_model, _bench_step
     prec = recommend_precision("cuda").precision
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(prec)
     gpus = torch.cuda.device_count()
@@ -369,7 +369,7 @@ def dp_vs_ddp(width: int = 4096, batch: int = 256, steps: int = 30) -> list[dict
     for mode, n in (("1 GPU", 1), ("DataParallel", gpus)):
         torch.manual_seed(0)
         model = _bench_model(width).cuda()
-        net = nn.DataParallel(model) if mode == "DataParallel" else model
+        net = nn.DataParallel(AutocastForward(model, dtype)) if mode == "DataParallel" else model
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
         x, y = torch.randn(batch * n, width, device="cuda"), torch.randint(0, width // 4, (batch * n,), device="cuda")
