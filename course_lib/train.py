@@ -108,8 +108,16 @@ class Trainer:
         self.step_count = 0      # optimizer steps attempted so far (skipped ones included)
         self.epoch = 0           # current epoch
         self.batch_in_epoch = 0  # micro-batches of the current epoch already consumed (for resume)
-        self.history = History(precision=self.precision, device=str(self.device))
-        self._pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (loss, grad_norm) not yet read back
+        self._history = History(precision=self.precision, device=str(self.device))
+        # (loss, grad_norm, scale, skipped) of steps not yet read back: tensors on the device
+        # (scale and skipped: 1.0 and False without a scaler), copied to the host together.
+        self._pending: list[tuple] = []
+
+    @property
+    def history(self) -> History:
+        """Chapter 00: what training recorded so far; reading it copies back what is still on the device."""
+        self._flush()
+        return self._history
 
     def autocast(self) -> torch.autocast:
         """Chapter 02: the forward-pass context: autocast on for bf16/fp16, off for fp32."""
@@ -121,8 +129,9 @@ class Trainer:
             x = x.contiguous(memory_format=torch.channels_last)
         return x, y.to(self.device, non_blocking=True)
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """One optimizer step over `micro_batches`; returns True if it was skipped.
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool | torch.Tensor:
+        """One optimizer step over `micro_batches`; returns whether it was skipped (False without a
+        scaler; with fp16, a one-element tensor on the device: reading it waits for the GPU).
 
         The mean loss of each micro-batch is weighted by its share of the samples, len(y) / total
         (loss / n when all n have the same size), so that the summed gradient equals the big
@@ -148,34 +157,36 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
             grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
-        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
+        # GradScaler keeps its scale in a tensor on the device (`_scale`); get_scale() would copy it
+        # to the host, a sync per call (chapter 06). Compare on the device and read back later.
+        scale_before = self.scaler._scale.clone() if self.scaler.is_enabled() else 1.0
         self.scaler.step(self.optimizer)   # skips optimizer.step() if any gradient is inf/NaN
         self.scaler.update()               # once per optimizer step: back off or (maybe) grow
-        scale = self.scaler.get_scale() if self.scaler.is_enabled() else 1.0
+        scale = self.scaler._scale.clone() if self.scaler.is_enabled() else 1.0
         # update() only lowers the scale after an overflow, and an overflow is exactly a skipped step.
         skipped = scale < scale_before
-        if self.scheduler is not None and not skipped:
+        if self.scheduler is not None and not bool(skipped):  # with fp16, the one sync this step adds
             self.scheduler.step()  # a skipped step must not advance the schedule (pytorch#44511)
         self.step_count += 1
-        h = self.history
-        h.step.append(self.step_count)
-        h.scale.append(scale)
-        h.skipped.append(skipped)
-        h.lr.append(lr)
-        self._pending.append((total, grad_norm))
+        self._history.step.append(self.step_count)
+        self._history.lr.append(lr)
+        self._pending.append((total, grad_norm, scale, skipped))
         if self.step_count % max(1, self.cfg.log_every) == 0:
             self._flush()
         return skipped
 
     def _flush(self) -> None:
-        # One device->host copy for many steps, instead of a sync per step.
+        # One device->host copy per kind of value for many steps, instead of syncs in every step.
         if not self._pending:
             return
-        losses = torch.stack([loss for loss, _ in self._pending]).tolist()
-        self.history.loss += losses
-        norms = [g for _, g in self._pending if g is not None]
-        if norms:
-            self.history.grad_norm += torch.stack(norms).float().tolist()
+        h = self._history
+        losses, norms, scales, skipped = zip(*self._pending)
+        h.loss += torch.stack(losses).tolist()
+        if norms[0] is not None:
+            h.grad_norm += torch.stack(norms).float().tolist()
+        fp16 = isinstance(scales[0], torch.Tensor)
+        h.scale += torch.stack(scales).tolist() if fp16 else list(scales)
+        h.skipped += torch.stack(skipped).tolist() if fp16 else list(skipped)
         self._pending.clear()
 
     @torch.no_grad()
@@ -256,7 +267,8 @@ class Trainer:
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.step_count, self.epoch, self.batch_in_epoch = state["step_count"], state["epoch"], state["batch_in_epoch"]
-        self.history = History(**state["history"])
+        self._pending.clear()
+        self._history = History(**state["history"])
         torch.set_rng_state(state["rng"]["cpu"])
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])

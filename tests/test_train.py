@@ -20,7 +20,7 @@ def make(precision="fp32", seed=0, lr=0.05, scheduler=False, **cfg):
     model = MLP(in_features=64, hidden=32)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if scheduler else None
-    cfg = TrainConfig(precision=precision, device="cpu", progress=False, log_every=1, **cfg)
+    cfg = TrainConfig(precision=precision, device="cpu", progress=False, **{"log_every": 1, **cfg})
     return Trainer(model, opt, cfg, scheduler=sched)
 
 
@@ -136,3 +136,18 @@ def test_fit_returns_history_with_eval_and_checkpoint(tmp_path):
 def test_auto_precision_is_the_device_policy():
     from course_lib.device import recommend_precision
     assert make("auto").precision == recommend_precision("cpu").precision
+
+
+def test_an_fp16_step_reads_nothing_back_from_the_device_until_the_history_is_read(monkeypatch):
+    # get_scale() copies the scale to the host: on a GPU a sync per call, which chapter 06 teaches to
+    # avoid. The Trainer compares scales on the device and reads them back with the losses.
+    t = make("fp16", init_scale=1024.0, log_every=100)
+    force_inf_at(t, {2})
+    calls = []
+    monkeypatch.setattr(torch.amp.GradScaler, "get_scale", lambda self: calls.append(1) or 1.0)
+    batches = [data(16, s)[:] for s in range(3)]
+    results = [t.train_step([(x, y)]) for x, y in batches]
+    assert calls == [] and all(isinstance(r, torch.Tensor) for r in results)
+    assert len(t._history.scale) == 0  # still on the device ...
+    assert t.history.skipped == [False, True, False] and [bool(r) for r in results] == [False, True, False]
+    assert t.history.scale == [1024.0, 512.0, 512.0]  # ... until the history is read
