@@ -12,6 +12,7 @@ The rules every measurement here follows:
 """
 from __future__ import annotations
 
+import gc
 import statistics
 import textwrap
 import time
@@ -117,6 +118,7 @@ def peak_memory_bytes(fn: Callable[[], object], device: torch.device | str | Non
         fn()
         return None
     synchronize(dev)
+    gc.collect()  # what an earlier measurement left in a reference cycle must not count in this one
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(dev)
     fn()

@@ -271,3 +271,16 @@ def test_cli_prints_tables_and_writes_json(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert {"device", "torch", "date", "command"} <= set(data["provenance"])
     assert set(data["policy"]) == {"fp16", "bf16"}
+
+
+def test_the_memory_reading_follows_the_numbers_and_flags_rows_that_disagree():
+    from course_lib.chapters.autocast_dtypes import read_memory_rows
+
+    shrinks = {"dtype": "bf16", "saved_fp32": 160.0, "saved_low": 80.0, "peak_fp32": 1000.0, "peak_low": 550.0}
+    grows = {"dtype": "fp16", "saved_fp32": 160.0, "saved_low": 80.0, "peak_fp32": 489.0, "peak_low": 593.0}
+    assert read_memory_rows([shrinks]) == "bf16: saved activations x0.50, the step's peak x0.55"
+    text = read_memory_rows([grows, {**grows, "dtype": "bf16", "peak_fp32": 794.0, "peak_low": 898.0}])
+    assert "fp16: saved activations x0.50, the step's peak x1.21 - the peak grew" in text
+    assert "differ (489 to 794 MiB)" in text  # the same fp32 step, measured twice: one count is off
+    cpu = {**shrinks, "peak_fp32": None, "peak_low": None}
+    assert read_memory_rows([cpu]) == "bf16: saved activations x0.50"

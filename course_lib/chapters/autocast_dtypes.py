@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import copy
 import sys
+import textwrap
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -31,7 +32,7 @@ from ..timing import peak_memory_bytes, saved_tensor_bytes
 from .autocast_policy import LOW_PRECISION, short
 
 __all__ = ["dtype_report", "module_dtypes", "format_module_dtypes", "memory_comparison", "mlp_memory_rows",
-           "format_memory_rows", "REGION_LAYOUTS", "after_step_in_region", "losses_by_layout"]
+           "format_memory_rows", "read_memory_rows", "REGION_LAYOUTS", "after_step_in_region", "losses_by_layout"]
 
 
 def dtype_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Counter]:
@@ -155,6 +156,30 @@ def format_memory_rows(rows: Sequence[dict]) -> str:
                  if r["peak_fp32"] else f"{'n/a':>12}{'n/a':>10}{'':>7}")
         out.append((f"{r['dtype']:<10}{r['saved_fp32']:>12.1f}{r['saved_low']:>11.1f}"
                     f"{r['saved_low'] / r['saved_fp32']:>7.2f}{peaks}").rstrip())
+    return "\n".join(out)
+
+
+def read_memory_rows(rows: Sequence[dict]) -> str:
+    """Chapter 02: mlp_memory_rows in words, computed from the numbers: what autocast shrank (the
+    saved activations), what the whole step's peak did, and a warning where two rows disagree on
+    the same fp32 step (memory held from elsewhere was counted in one of them)."""
+    out = []
+    for r in rows:
+        saved = r["saved_low"] / r["saved_fp32"]
+        line = f"{r['dtype']}: saved activations x{saved:.2f}"
+        if r["peak_fp32"]:
+            peak = r["peak_low"] / r["peak_fp32"]
+            line += f", the step's peak x{peak:.2f}"
+            if peak > saved + 0.1:
+                line += (" - the peak grew" if peak > 1 else " - the peak shrank less than the activations") + \
+                    (": it also holds what autocast leaves in fp32 (weights, gradients) and what it adds (the"
+                     " 16-bit copies of the weights)")
+        out.append(textwrap.fill(line, 100, subsequent_indent="    "))
+    fp32_peaks = [r["peak_fp32"] for r in rows if r["peak_fp32"]]
+    if len(fp32_peaks) > 1 and max(fp32_peaks) > 1.1 * min(fp32_peaks):
+        out.append(textwrap.fill(f"The rows' fp32 peaks measure the same fp32 step but differ ({min(fp32_peaks):.0f} "
+                                 f"to {max(fp32_peaks):.0f} MiB): memory held from an earlier measurement was "
+                                 "counted in one of them, so read those peaks with care.", 100))
     return "\n".join(out)
 
 
