@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..models import build_model
 from ..reference import record
 from ..timing import peak_memory_bytes, saved_tensor_bytes, time_fn
-from ..train import TrainConfig, Trainer
+from ..train import AMP_DTYPES, TrainConfig, Trainer
 
 __all__ = ["accumulation_step", "accumulated_grad", "rel_diff", "equivalence_rows", "format_equivalence_rows",
            "LOOP_VARIANTS", "scale_trajectory", "norm_rows", "format_norm_rows",
@@ -34,8 +34,7 @@ __all__ = ["accumulation_step", "accumulated_grad", "rel_diff", "equivalence_row
            "format_memory_rows"]
 
 Batches = Sequence[tuple[torch.Tensor, torch.Tensor]]
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-EPS = {name: torch.finfo(dtype or torch.float32).eps for name, dtype in DTYPES.items()}  # machine epsilon
+EPS = {name: torch.finfo(dtype or torch.float32).eps for name, dtype in AMP_DTYPES.items()}  # machine epsilon
 
 
 def accumulation_step(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -119,10 +118,10 @@ def equivalence_rows(batch: int = 64, splits: Sequence[int] = (2, 4, 8),
     rows = []
     for p in precisions:
         scaler = (lambda: torch.amp.GradScaler("cpu")) if p == "fp16" else (lambda: None)
-        large = accumulated_grad(_mlp(seed), [(x, y)], dtype=DTYPES[p], scaler=scaler())
+        large = accumulated_grad(_mlp(seed), [(x, y)], dtype=AMP_DTYPES[p], scaler=scaler())
         for n in splits:
             micro = list(zip(x.chunk(n), y.chunk(n)))
-            acc = accumulated_grad(_mlp(seed), micro, dtype=DTYPES[p], scaler=scaler())
+            acc = accumulated_grad(_mlp(seed), micro, dtype=AMP_DTYPES[p], scaler=scaler())
             rows.append({"precision": p, "micro_batches": n, "micro_size": batch // n, "vs_large": rel_diff(acc, large),
                          "large_vs_fp64": rel_diff(large, exact), "eps": EPS[p]})
     return rows
@@ -399,10 +398,10 @@ def memory_rows(device: str = "cuda", model: str = "small_resnet", batch: int = 
         scaler = torch.amp.GradScaler(kind, enabled=p == "fp16")
         for n in accum:
             micro = list(zip(x.split(batch // n), y.split(batch // n)))
-            step = functools.partial(accumulation_step, net, opt, scaler, micro, dtype=DTYPES[p])
+            step = functools.partial(accumulation_step, net, opt, scaler, micro, dtype=AMP_DTYPES[p])
 
             def forward(net: nn.Module = net, micro: list = micro, p: str = p) -> None:
-                with torch.autocast(kind, dtype=DTYPES[p], enabled=p != "fp32"):
+                with torch.autocast(kind, dtype=AMP_DTYPES[p], enabled=p != "fp32"):
                     F.cross_entropy(net(micro[0][0]), micro[0][1])
 
             t = time_fn(step, warmup=2, iters=5, device=device) if cuda else None
@@ -434,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="small_resnet", choices=sorted(WORKLOADS))
     p.add_argument("--batch", type=int, default=512, help="effective batch (use less on a CPU)")
     p.add_argument("--accum", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
+    p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=sorted(AMP_DTYPES))
     p.add_argument("--json", help="also write the rows with provenance (data/reference/accumulation_<gpu>.json)")
     args = p.parse_args(argv)
     rows = memory_rows(args.device, args.model, args.batch, args.accum, args.precisions)

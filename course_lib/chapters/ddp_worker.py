@@ -53,7 +53,7 @@ from tqdm import tqdm
 
 from ..data import load_dataset, synthetic_batches
 from ..models import MLP
-from ..train import TrainConfig, Trainer
+from ..train import AMP_DTYPES, TrainConfig, Trainer
 
 __all__: list[str] = []  # a program, run by torchrun; nothing here is imported by name
 
@@ -281,7 +281,7 @@ def time_steps(r: Rank, args: argparse.Namespace) -> None:
     """--time-steps N: median step time of DDP on a wide MLP, per-rank batch --batch (the GPU reference)."""
     from ..device import recommend_precision
     prec = recommend_precision(r.device) if r.device.type == "cuda" else None
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(prec.precision if prec else "")
+    dtype = AMP_DTYPES[prec.precision if prec else "fp32"]
     torch.manual_seed(args.seed)
     ddp = DDP(_bench_model(args.width).to(r.device), device_ids=[r.local] if r.device.type == "cuda" else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)

@@ -361,9 +361,10 @@ def dp_vs_ddp(width: int = 4096, batch: int = 256, steps: int = 30) -> list[dict
     """Chapter 08: step time on 1 GPU, DataParallel over all GPUs, DDP over all GPUs (same batch per GPU)."""
     from ..device import recommend_precision
     from ..timing import time_fn
+    from ..train import AMP_DTYPES
     from .ddp_worker import AutocastForward, _bench_model, _bench_step
     prec = recommend_precision("cuda").precision
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(prec)
+    dtype = AMP_DTYPES[prec]
     gpus = torch.cuda.device_count()
     rows = []
     for mode, n in (("1 GPU", 1), ("DataParallel", gpus)):
@@ -373,8 +374,7 @@ def dp_vs_ddp(width: int = 4096, batch: int = 256, steps: int = 30) -> list[dict
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
         x, y = torch.randn(batch * n, width, device="cuda"), torch.randint(0, width // 4, (batch * n,), device="cuda")
-        t = time_fn(functools.partial(_bench_step, net, opt, scaler, x, y, dtype), warmup=5, iters=steps,
-                    device="cuda")
+        t = time_fn(functools.partial(_bench_step, net, opt, scaler, x, y, dtype), warmup=5, iters=steps, device="cuda")
         rows.append({"mode": mode, "gpus": n, "median_ms": t.median_ms, "q1_ms": t.quartiles_ms[0],
                      "q3_ms": t.quartiles_ms[1], "images_per_s": batch * n / t.median_ms * 1e3})
         del model, net, opt

@@ -28,7 +28,7 @@ from ..device import cuda_capability, has_native_bf16, peak_tflops, pick_device,
 from ..models import GPT, GPTConfig, SimpleCNN
 from ..reference import record
 from ..timing import Timing, compare, peak_memory_bytes, saved_tensor_bytes, time_fn
-from ..train import History, TrainConfig, Trainer
+from ..train import AMP_DTYPES, History, TrainConfig, Trainer
 from .bench import mixed_precision_for, step_row
 from .matmul import matmul_tflops
 from .targets import format_targets, targets
@@ -206,7 +206,7 @@ def _gpu_name(dev: torch.device) -> str:
 def _gpt_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
               amp: str | None, scaler: torch.amp.GradScaler) -> Callable[[], None]:
     dev = x.device.type
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp or "")
+    dtype = AMP_DTYPES[amp or "fp32"]
 
     def step() -> None:
         with torch.autocast(dev, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
@@ -277,7 +277,7 @@ def matmul_ceiling(device: str = "auto") -> float | None:
     dev = pick_device(device)
     if dev.type != "cuda":
         return None
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision_for(dev)]
+    dtype = AMP_DTYPES[mixed_precision_for(dev)]
     return matmul_tflops(8192, dtype, dev)[0]
 
 

@@ -26,6 +26,7 @@ from torch.utils.data import Dataset, TensorDataset
 from ..data import SeededSampler, load_dataset, make_loader
 from ..device import pick_device, recommend_precision
 from ..models import MLP
+from ..train import AMP_DTYPES
 
 __all__ = ["SLOW", "RECIPE", "CHOICES", "validate_settings", "run_script", "format_result"]
 
@@ -147,7 +148,7 @@ def run_script(settings: dict | None = None, device: str = "auto") -> dict:
     s = validate_settings(settings or {})
     dev = pick_device(device)
     precision = recommend_precision(dev).precision if s["precision"] == "auto" else s["precision"]
-    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    dtype = AMP_DTYPES[precision]
     train_x, train_y, test_x, test_y = _uint8(s["train_size"], s["test_size"])
     t0 = time.perf_counter()
     torch.manual_seed(s["seed"])

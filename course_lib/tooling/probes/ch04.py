@@ -23,9 +23,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ...train import AMP_DTYPES
+
 __all__ = ["accumulate", "run_loop", "build", "junk", "DTYPES", "LOSSES"]
 
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = AMP_DTYPES  # course_lib.train's map: the one place a precision becomes a dtype
 LOSSES = {"cross_entropy": F.cross_entropy, "mse_loss": F.mse_loss}
 
 
