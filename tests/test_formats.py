@@ -207,6 +207,40 @@ def test_fate_agrees_with_torch_across_the_range_and_at_every_threshold(fmt):
         assert F.fate(x, fmt) == want == F.fate(-x, fmt), x
 
 
+def _float64_near_thresholds(fmt: str) -> list[float]:
+    """float64 numbers that are not float32 numbers, on both sides of every threshold of the format."""
+    f = F.get_format(fmt)
+    xs = []
+    for a in [F.overflow_threshold(f), f.smallest_normal - f.smallest_subnormal / 2, f.smallest_subnormal / 2]:
+        xs += [a * (1 + k * 2.0**-40) for k in (-3, -2, -1, 1, 2, 3)]
+    return [x for x in xs if float(np.float32(x)) != x]
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16", "fp8_e5m2", "fp8_e4m3fn"])
+def test_fate_of_a_float64_is_what_torch_stores_after_rounding_it_to_float32_first(fmt):
+    # A float64 just below fp16's midpoint 65520 is exactly rounded to 65504, but torch converts
+    # through float32, where it becomes the tie 65520.0 and then inf. fate() must say what torch does
+    # (judging the float64 once, it said "normal" for 65519.99999 while the bit explorer showed inf).
+    f = F.get_format(fmt)
+    xs = _float64_near_thresholds(fmt)
+    assert len(xs) >= 12
+    for x in xs:
+        stored = torch.tensor([x], dtype=torch.float64).to(f.dtype)
+        assert torch.equal(stored, torch.tensor([x], dtype=torch.float32).to(f.dtype)), x  # one path in torch
+        r = float(stored.double()[0])
+        # e4m3fn saturates to 448 (or gives NaN): out of range is its float32 beyond the tie 464
+        out = math.isinf(r) or math.isnan(r) or (not f.has_inf and float(np.float32(x)) > F.overflow_threshold(f))
+        want = "overflow" if out else "underflow" if r == 0 else "subnormal" if abs(r) < f.smallest_normal else "normal"
+        assert F.fate(x, fmt) == want, x
+
+
+def test_65519_99999_is_inf_in_fp16_for_fate_and_the_bit_explorer_alike():
+    x = 65519.99999
+    assert F.fate(x, "fp16") == "overflow" and F.decompose(x, "fp16").kind == "inf"
+    assert math.isinf(torch.tensor(x, dtype=torch.float32).half().item())  # an fp32 tensor: 65520.0, a tie
+    assert F.fate(65519.99, "fp16") == "normal" == F.decompose(65519.99, "fp16").kind  # its float32 is < 65520
+
+
 def test_e4m3fn_overflow_starts_after_the_tie_at_464():
     assert F.fate(464.0, "e4m3") == "normal" and F.decompose(464.0, "e4m3").value == 448.0
     assert F.fate(464.0001, "e4m3") == "overflow"
@@ -236,6 +270,15 @@ def test_fates_counts_fractions_of_nonzero_finite_entries():
     t = torch.tensor([1e5, 1.0, 1e-6, 1e-9, 0.0, math.nan])
     assert F.fates(t, "fp16") == {"overflow": 0.25, "underflow": 0.25, "subnormal": 0.25, "normal": 0.25}
     assert F.fates(t, "bf16") == {"overflow": 0.0, "underflow": 0.0, "subnormal": 0.0, "normal": 1.0}
+
+
+def test_fates_judges_e4m3fn_out_of_range_on_the_float32_torch_converts():
+    # 464 + 1e-5 as a float64 is above e4m3fn's threshold 464, but its float32 is 464.0, the tie
+    # that torch rounds to 448: no overflow, as torch stores it.
+    t = torch.tensor([464.00001], dtype=torch.float64)
+    assert t.to(torch.float8_e4m3fn).float().item() == 448.0
+    assert F.fates(t, "e4m3") == {"overflow": 0.0, "underflow": 0.0, "subnormal": 0.0, "normal": 1.0}
+    assert F.fate(464.00001, "e4m3") == "normal"
 
 
 # --------------------------------------------------------------------------- accumulation and matmul

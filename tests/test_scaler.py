@@ -158,6 +158,22 @@ def test_fates_count_zero_subnormal_normal_and_overflow():
     assert "2^16" in text and max(map(len, text.splitlines())) <= 100
 
 
+@pytest.mark.parametrize("value, scale, fate", [
+    (65519996.0, 1e-3, "overflow"),            # fp32 product 65520.0, a tie: inf; in float64 65519.996 -> 65504
+    (7.241964794957312e-06, 3.0 ** -5, "zero"),  # fp32 product 2^-25, a tie: 0; in float64 above it -> 2^-24
+])
+def test_fates_scales_as_gradscaler_does_a_float32_product_rounded_once(value, scale, fate):
+    # Neither scale is a float32 number. GradScaler holds the scale as a float32 and scale() multiplies
+    # in float32; multiplying in float64 and converting rounds the product twice and lands elsewhere.
+    v = torch.tensor([value])
+    assert v.item() == value
+    stored = torch.amp.GradScaler("cpu", init_scale=scale).scale(v).to(torch.float16)
+    want = "overflow" if torch.isinf(stored).all() else "zero" if (stored == 0).all() else "other"
+    assert want == fate
+    (r,) = S.fates(v, [scale])
+    assert r[fate] == 1.0 and r["scale"] == S.f32(scale)
+
+
 def test_gradient_sample_collects_activation_and_parameter_gradients():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 7), nn.ReLU(), nn.Linear(7, 3))

@@ -73,6 +73,22 @@ def test_static_text_shows_every_format_with_bits_values_and_errors():
     assert W.static_text(65520.0) == text  # deterministic: the notebook test compares it
 
 
+@pytest.mark.parametrize("value", [65519.99999, 65519.99, 2.0**-25 * (1 + 2.0**-40), 464.00001, 1e-8, 1e5])
+def test_the_explorer_shows_what_fate_says_and_torch_stores(value):
+    # 65519.99999 is inf in fp16 for torch (float64 -> float32 65520.0 -> tie -> inf): the explorer showed
+    # inf while fate() said it rounds to 65504. Each row's kind must be the one fate() names.
+    from course_lib.chapters.formats import fate
+    words = {"overflow": {"inf", "nan", "normal"}, "underflow": {"zero"}, "subnormal": {"subnormal"},
+             "normal": {"normal"}}
+    for d in W.explorer_rows(value):
+        kind = fate(value, d.format)
+        assert d.kind in words[kind], (d.format, d.kind, kind)
+        if kind == "overflow" and d.format != "fp8_e4m3fn":  # e4m3fn saturates (normal 448) or gives NaN
+            assert d.kind == "inf"
+    fp16 = next(line for line in W.static_text(value).splitlines() if line.startswith("fp16"))
+    assert ("inf" in fp16) == (fate(value, "fp16") == "overflow")
+
+
 @pytest.mark.parametrize("value", [0.1, 65520.0, 1e-8, -5.960464477539063e-08, 1e-40, -3e-42, math.nan, -math.inf])
 def test_static_text_lines_fit_100_characters_and_header_matches_the_columns(value):
     lines = W.static_text(value).splitlines()

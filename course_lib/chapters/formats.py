@@ -340,22 +340,21 @@ def overflow_threshold(fmt: str | torch.dtype | Format) -> float:
 
 
 def fate(x: float, fmt: str | torch.dtype | Format) -> str:
-    """Chapter 01: what rounding to the format does to the number x, from the format's thresholds.
+    """Chapter 01: what torch's conversion to the format does to the number x, from the format's thresholds.
 
     "overflow"   becomes inf (e4m3fn has none: torch saturates to ±448 or gives NaN, by version)
     "underflow"  a non-zero number becomes 0: |x| <= smallest_subnormal / 2 (the tie goes to 0, even)
     "subnormal"  survives, but with fewer significant bits than a normal number
-    "normal"     full precision
-    and "zero", "inf", "nan" for those inputs. The tests check this against torch's conversion.
+    "normal"     full precision; and "zero", "inf", "nan" for those inputs. Tested against torch's conversion.
+    torch converts a float64 (a Python float) to the 16- and 8-bit formats through float32, so x is
+    judged as the float32 it rounds to, as decompose() and an fp32 tensor holding x see it: 65519.99999
+    is below fp16's midpoint 65520, but its float32 is 65520.0, a tie, and torch stores inf.
     """
     f = get_format(fmt)
     a = abs(float(x))
-    if math.isnan(a):
-        return "nan"
-    if math.isinf(a):
-        return "inf"
-    if a == 0:
-        return "zero"
+    if math.isnan(a) or math.isinf(a) or a == 0:
+        return "nan" if math.isnan(a) else "inf" if a else "zero"
+    a = float(torch.tensor(a, dtype=torch.float32))  # torch's first rounding; inf or 0 outside fp32's range
     t_over = overflow_threshold(f)
     max_is_odd = f.has_inf  # max has mantissa all ones (odd) when inf exists; e4m3fn's 1.110b is even
     if a > t_over or (a == t_over and max_is_odd):
@@ -374,8 +373,8 @@ def fates(t: torch.Tensor, fmt: str | torch.dtype | Format) -> dict[str, float]:
     f = _storage(fmt)
     t = t[(t != 0) & torch.isfinite(t)]
     r = t.to(f.dtype).to(torch.float64)
-    # e4m3fn has no inf to look for: out of range is beyond the threshold (the tie, 464, rounds to 448)
-    over = torch.isinf(r) if f.has_inf else t.abs().to(torch.float64) > overflow_threshold(f)
+    # e4m3fn has no inf: out of range is beyond the threshold (the tie 464 goes to 448), judged on the float32
+    over = torch.isinf(r) if f.has_inf else t.abs().float().double() > overflow_threshold(f)  # torch converts
     zero = r == 0
     sub = (r.abs() < f.smallest_normal) & ~zero
     n = max(t.numel(), 1)

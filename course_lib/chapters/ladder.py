@@ -140,7 +140,7 @@ def resnet50_ladder(device: str = "auto", batch: int | None = None, steps: int |
     with channels_last: ms/step with spread, images/s, peak memory (CUDA), speed-up over strict FP32.
 
     Defaults: batch 128 at 224 px on a GPU (64 below 24 GiB); batch 4 at 64 px on a CPU (a toy run,
-    without fp16: a CPU has no fast fp16 convolution backward). Rows the hardware cannot run
+    without fp16: most CPUs have no fast fp16 convolution backward). Rows the hardware cannot run
     natively are kept, with the reason.
     """
     dev = pick_device(device)
@@ -159,7 +159,7 @@ def resnet50_ladder(device: str = "auto", batch: int | None = None, steps: int |
             mode = label + (" + channels_last" if channels_last else "")
             why = ("TF32 needs an NVIDIA Ampere-or-newer GPU (sm_80+)" if allow_tf32 and not ampere else
                    "no native bf16 here: it would be emulated" if precision == "bf16" and not has_native_bf16(dev)
-                   else "no fast fp16 convolution backward on a CPU" if precision == "fp16" and not cuda else "")
+                   else "fp16 convolution backward is slow on most CPUs" if precision == "fp16" and not cuda else "")
             rows.append({"mode": mode, "note": why} if why else
                         {"mode": mode, "image_size": size,
                          **step_row("resnet50", precision, dev, batch=batch, steps=steps, allow_tf32=allow_tf32,

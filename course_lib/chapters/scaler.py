@@ -214,11 +214,17 @@ def gradient_sample(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
 
 def fates(values: torch.Tensor, scales: Sequence[float] = (1.0,), dtype: torch.dtype = torch.float16) -> list[dict]:
     """Chapter 03: the non-zero `values` times each scale, stored in `dtype`: the fractions that become 0,
-    land among the subnormals (fewer significant bits), stay normal, or overflow to inf."""
+    land among the subnormals (fewer significant bits), stay normal, or overflow to inf.
+
+    The product is computed as GradScaler's `scale()` computes it: a float32 times the scale held as a
+    float32, rounded once to float32, then stored in `dtype`. (A float64 product would be rounded to
+    float64, then to float32 by torch's conversion, then to `dtype`: near a threshold that can differ
+    when the scale is not a float32 number, e.g. 1e-3.) The row's "scale" is that float32 scale.
+    """
     v = values[values != 0].float()
     tiny, rows = torch.finfo(dtype).tiny, []
-    for s in scales:
-        h = (v.double() * s).to(dtype).abs()
+    for s in map(f32, scales):  # GradScaler's scale is a float32 tensor
+        h = (v * torch.tensor(s, dtype=torch.float32)).to(dtype).abs()  # float32 x float32 -> float32 -> dtype
         zero, inf = int((h == 0).sum()), int(torch.isinf(h).sum())
         sub = int(((h > 0) & (h < tiny)).sum())
         n = max(1, v.numel())
