@@ -5,12 +5,14 @@ Chapter 00 uses it as a black box; chapter 03 (GradScaler) and 04 (accumulation)
     cfg = TrainConfig(precision="auto", epochs=1, accum_steps=4, clip_grad_norm=1.0)
     history = Trainer(model, torch.optim.AdamW(model.parameters()), cfg).fit(loader)
 
-Per optimizer step the loop does, in this order (the order matters, see chapter 03):
+`amp_step` is its step, written once: the Trainer, chapter 04's accumulation, the DDP worker, the
+ladders and the speed-up script all call it. Per optimizer step it does, in this order (the
+order matters, see chapter 03):
   for each micro-batch:  autocast(forward + loss) -> scaler.scale(loss / accum).backward()
                          (DDP: no_sync() around forward AND backward of all but the last one)
   scaler.unscale_(opt) -> clip_grad_norm_   (only when clipping: clip true, unscaled gradients)
   scaler.step(opt)     -> scaler.update()   (once per optimizer step, never per micro-batch)
-  scheduler.step()     only if the optimizer really stepped (fp16 skips steps on inf/NaN)
+  scheduler.step()     only if the optimizer really stepped (fp16 skips steps on inf/NaN; Trainer)
 With precision="fp32" or "bf16" the scaler is built with enabled=False and every scaler call
 passes straight through, so the same code runs all three precisions.
 """
@@ -31,9 +33,58 @@ from tqdm.auto import tqdm
 
 from .device import check_precision, pick_device, recommend_precision
 
-__all__ = ["TrainConfig", "History", "Trainer", "train"]
+__all__ = ["AMP_DTYPES", "StepResult", "amp_step", "TrainConfig", "History", "Trainer", "train"]
 
+# The one place a precision becomes a dtype (None: autocast off).
 AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class StepResult:
+    """Chapter 00: what one amp_step leaves on the device; nothing here has been read back yet."""
+    loss: torch.Tensor                 # the step's mean loss (fp32, detached)
+    grad_norm: torch.Tensor | None     # pre-clip norm of the unscaled gradients, when clipping
+    scale: torch.Tensor | float        # the scale after update(); 1.0 without a scaler
+    skipped: torch.Tensor | bool       # the optimizer step was skipped (inf/NaN); False without a scaler
+
+
+def amp_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+             micro_batches: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype | None, *,
+             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+             forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+             clip_grad_norm: float | None = None) -> StepResult:
+    """Chapters 00, 03, 04: the course's AMP step, one optimizer step over `micro_batches` (on the device).
+
+    `dtype` None runs fp32 (autocast off); a disabled scaler passes every call through. `forward(x, y)`
+    returns the loss (default: loss_fn(model(x), y)). Each micro-batch's mean loss is weighted by its
+    share of the samples, len(y) / total (loss / n when all n have the same size), so that the summed
+    gradient is the big batch's even when a short last batch is one of them (chapter 04).
+    """
+    device = next(model.parameters()).device.type
+    forward = forward or (lambda x, y: loss_fn(model(x), y))
+    optimizer.zero_grad(set_to_none=True)  # nothing from before counts
+    total, samples = torch.zeros((), device=next(model.parameters()).device), sum(len(y) for _, y in micro_batches)
+    is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+    for i, (x, y) in enumerate(micro_batches):
+        share = len(y) / samples
+        # DDP all-reduces gradients during backward; skip that on all but the last micro-batch.
+        with model.no_sync() if is_ddp and i < len(micro_batches) - 1 else contextlib.nullcontext():
+            with torch.autocast(device, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                loss = forward(x, y)                        # forward and loss only ...
+            scaler.scale(loss * share).backward()           # ... backward outside autocast
+        total += loss.detach().float() * share
+    grad_norm = None
+    if clip_grad_norm is not None:
+        scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones; once, at the boundary
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+    # GradScaler keeps its scale in a tensor on the device (`_scale`); get_scale() would copy it
+    # to the host, a sync per call (chapter 06). Compare on the device; read back later.
+    before = scaler._scale.clone() if scaler.is_enabled() else 1.0
+    scaler.step(optimizer)   # skips optimizer.step() if any gradient is inf/NaN
+    scaler.update()          # once per optimizer step: back off or (maybe) grow
+    after = scaler._scale.clone() if scaler.is_enabled() else 1.0
+    # update() only lowers the scale after an overflow, and an overflow is exactly a skipped step.
+    return StepResult(total, grad_norm, after, after < before)
 
 
 @dataclass
@@ -130,47 +181,20 @@ class Trainer:
         return x, y.to(self.device, non_blocking=True)
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool | torch.Tensor:
-        """One optimizer step over `micro_batches`; returns whether it was skipped (False without a
-        scaler; with fp16, a one-element tensor on the device: reading it waits for the GPU).
-
-        The mean loss of each micro-batch is weighted by its share of the samples, len(y) / total
-        (loss / n when all n have the same size), so that the summed gradient equals the big
-        batch's even when the epoch's short last batch is one of them (chapter 04).
+        """One optimizer step over `micro_batches` (amp_step); returns whether it was skipped (False
+        without a scaler; with fp16, a one-element tensor on the device: reading it waits for the GPU).
         """
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        n, total = len(micro_batches), torch.zeros((), device=self.device)
-        samples = sum(len(y) for _, y in micro_batches)
-        is_ddp = isinstance(self.model, nn.parallel.DistributedDataParallel)
-        for i, (x, y) in enumerate(micro_batches):
-            share = len(y) / samples  # 1 / n for equal sizes; a short batch counts less
-            x, y = self._to_device(x, y)
-            # DDP all-reduces gradients during backward; skip that on all but the last micro-batch.
-            sync = self.model.no_sync() if (is_ddp and i < n - 1) else contextlib.nullcontext()
-            with sync:
-                with self.autocast():          # forward and loss only ...
-                    loss = self.loss_fn(self.model(x), y)
-                self.scaler.scale(loss * share).backward()  # ... backward outside autocast
-            total += loss.detach().float() * share
-        grad_norm = None
-        if self.cfg.clip_grad_norm is not None:
-            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-            grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
-        # GradScaler keeps its scale in a tensor on the device (`_scale`); get_scale() would copy it
-        # to the host, a sync per call (chapter 06). Compare on the device and read back later.
-        scale_before = self.scaler._scale.clone() if self.scaler.is_enabled() else 1.0
-        self.scaler.step(self.optimizer)   # skips optimizer.step() if any gradient is inf/NaN
-        self.scaler.update()               # once per optimizer step: back off or (maybe) grow
-        scale = self.scaler._scale.clone() if self.scaler.is_enabled() else 1.0
-        # update() only lowers the scale after an overflow, and an overflow is exactly a skipped step.
-        skipped = scale < scale_before
+        r = amp_step(self.model, self.optimizer, self.scaler, [self._to_device(x, y) for x, y in micro_batches],
+                     self.amp_dtype, loss_fn=self.loss_fn, clip_grad_norm=self.cfg.clip_grad_norm)
+        skipped = r.skipped
         if self.scheduler is not None and not bool(skipped):  # with fp16, the one sync this step adds
             self.scheduler.step()  # a skipped step must not advance the schedule (pytorch#44511)
         self.step_count += 1
         self._history.step.append(self.step_count)
         self._history.lr.append(lr)
-        self._pending.append((total, grad_norm, scale, skipped))
+        self._pending.append((r.loss, r.grad_norm, r.scale, r.skipped))
         if self.step_count % max(1, self.cfg.log_every) == 0:
             self._flush()
         return skipped

@@ -151,3 +151,31 @@ def test_an_fp16_step_reads_nothing_back_from_the_device_until_the_history_is_re
     assert len(t._history.scale) == 0  # still on the device ...
     assert t.history.skipped == [False, True, False] and [bool(r) for r in results] == [False, True, False]
     assert t.history.scale == [1024.0, 512.0, 512.0]  # ... until the history is read
+
+
+def test_every_training_step_of_the_course_is_the_one_amp_step(monkeypatch):
+    # Issue: the central loop existed twice. The Trainer, chapter 04's accumulation, the DDP
+    # worker's timed step, the GPT ladder and the speed-up script must all run train.amp_step.
+    from course_lib import train
+    from course_lib.chapters import accumulation, ddp_worker, ladder, speedup
+    from course_lib.models import GPT, GPTConfig
+
+    calls, real = [], train.amp_step
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    for module in (train, accumulation, ddp_worker, ladder, speedup):
+        monkeypatch.setattr(module, "amp_step", spy)
+    t = make("bf16")
+    t.train_step([data(8, 0)[:]])
+    x, y = data(8, 1)[:]
+    accumulation.accumulation_step(t.model, t.optimizer, t.scaler, [(x, y)], dtype=torch.bfloat16)
+    ddp_worker._bench_step(t.model, t.optimizer, t.scaler, x, y, None)
+    gpt = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=1, n_embd=8))
+    tokens = torch.randint(0, 32, (2, 8))
+    ladder._gpt_step(gpt, torch.optim.SGD(gpt.parameters(), lr=0.1), tokens, tokens, "bf16", t.scaler)()
+    assert len(calls) == 4
+    speedup.run_script({"train_size": 64, "test_size": 16, "max_steps": 2, "batch_size": 32, "precision": "fp32"},
+                       device="cpu")
+    assert len(calls) == 6

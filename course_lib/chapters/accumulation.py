@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..models import build_model
 from ..reference import record
 from ..timing import peak_memory_bytes, saved_tensor_bytes, time_fn
-from ..train import AMP_DTYPES, TrainConfig, Trainer
+from ..train import AMP_DTYPES, TrainConfig, Trainer, amp_step
 
 __all__ = ["accumulation_step", "accumulated_grad", "rel_diff", "equivalence_rows", "format_equivalence_rows",
            "LOOP_VARIANTS", "scale_trajectory", "norm_rows", "format_norm_rows",
@@ -43,28 +43,14 @@ def accumulation_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                       clip_grad_norm: float | None = None) -> bool:
     """Chapter 04: one optimizer step over `micro_batches`; True if the scaler skipped it.
 
-    `loss_fn` must average over its batch (reduction="mean"). Each micro-batch's loss is
-    weighted by len(y) / total, so the summed gradient is the gradient of the mean loss over
-    all the samples: loss / N when the N micro-batches have the same size.
+    This is the core's AMP step (course_lib.train.amp_step), read back at once. `loss_fn` must
+    average over its batch (reduction="mean"). Each micro-batch's loss is weighted by
+    len(y) / total, so the summed gradient is the gradient of the mean loss over all the samples:
+    loss / N when the N micro-batches have the same size. DDP: no_sync() holds the forward AND
+    backward of all but the last micro-batch; `unscale_`, `step` and `update` once per step.
     """
-    device = next(model.parameters()).device.type
-    total = sum(len(y) for _, y in micro_batches)
-    is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
-    optimizer.zero_grad(set_to_none=True)              # nothing from before counts
-    for i, (x, y) in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        # DDP: no all-reduce before the last micro-batch; no_sync must hold forward AND backward.
-        with model.no_sync() if is_ddp and not last else contextlib.nullcontext():
-            with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
-                loss = loss_fn(model(x), y) * (len(y) / total)
-            scaler.scale(loss).backward()              # adds into .grad, at one constant scale
-    if clip_grad_norm is not None:
-        scaler.unscale_(optimizer)                     # once, at the boundary
-        nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
-    before = scaler.get_scale() if scaler.is_enabled() else 1.0
-    scaler.step(optimizer)                             # once per effective batch
-    scaler.update()                                    # once per effective batch
-    return scaler.is_enabled() and scaler.get_scale() < before
+    return bool(amp_step(model, optimizer, scaler, list(micro_batches), dtype, loss_fn=loss_fn,
+                         clip_grad_norm=clip_grad_norm).skipped)
 
 
 def accumulated_grad(model: nn.Module, micro_batches: Batches, weights: Sequence[float] | None = None,

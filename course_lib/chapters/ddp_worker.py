@@ -53,7 +53,7 @@ from tqdm import tqdm
 
 from ..data import load_dataset, synthetic_batches
 from ..models import MLP
-from ..train import AMP_DTYPES, TrainConfig, Trainer
+from ..train import AMP_DTYPES, TrainConfig, Trainer, amp_step
 
 __all__: list[str] = []  # a program, run by torchrun; nothing here is imported by name
 
@@ -269,12 +269,7 @@ def _bench_model(width: int) -> nn.Module:
 
 def _bench_step(model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler, x: torch.Tensor,
                 y: torch.Tensor, dtype: torch.dtype | None) -> None:
-    opt.zero_grad(set_to_none=True)
-    with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
-        loss = F.cross_entropy(model(x), y)
-    scaler.scale(loss).backward()
-    scaler.step(opt)
-    scaler.update()
+    amp_step(model, opt, scaler, [(x, y)], dtype)  # the course's AMP step, timed
 
 
 def time_steps(r: Rank, args: argparse.Namespace) -> None:

@@ -28,7 +28,7 @@ from ..device import cuda_capability, has_native_bf16, peak_tflops, pick_device,
 from ..models import GPT, GPTConfig, SimpleCNN
 from ..reference import record
 from ..timing import Timing, compare, peak_memory_bytes, saved_tensor_bytes, time_fn
-from ..train import AMP_DTYPES, History, TrainConfig, Trainer
+from ..train import AMP_DTYPES, History, StepResult, TrainConfig, Trainer, amp_step
 from .bench import mixed_precision_for, step_row
 from .matmul import matmul_tflops
 from .targets import format_targets, targets
@@ -204,18 +204,10 @@ def _gpu_name(dev: torch.device) -> str:
 
 
 def _gpt_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-              amp: str | None, scaler: torch.amp.GradScaler) -> Callable[[], None]:
-    dev = x.device.type
+              amp: str | None, scaler: torch.amp.GradScaler) -> Callable[[], StepResult]:
+    """One GPT training step, the core's amp_step; the model computes its own loss (nanoGPT's way)."""
     dtype = AMP_DTYPES[amp or "fp32"]
-
-    def step() -> None:
-        with torch.autocast(dev, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            _, loss = model(x, y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-    return step
+    return lambda: amp_step(model, opt, scaler, [(x, y)], dtype, forward=lambda a, b: model(a, b)[1])
 
 
 # (label, tf32, mixed precision, SDPA attention, torch.compile, fused AdamW): each rung adds one change.

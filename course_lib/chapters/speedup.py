@@ -20,13 +20,12 @@ import time
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import Dataset, TensorDataset
 
 from ..data import SeededSampler, load_dataset, make_loader
 from ..device import pick_device, recommend_precision
 from ..models import MLP
-from ..train import AMP_DTYPES
+from ..train import AMP_DTYPES, amp_step
 
 __all__ = ["SLOW", "RECIPE", "CHOICES", "validate_settings", "run_script", "format_result"]
 
@@ -182,16 +181,10 @@ def run_script(settings: dict | None = None, device: str = "auto") -> dict:
             for x, y in train:
                 if s["max_steps"] is not None and steps >= s["max_steps"]:
                     break
-                x, y = x.to(dev), y.to(dev)
-                with autocast():
-                    loss = F.cross_entropy(model(x), y)
-                opt.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
+                step = amp_step(model, opt, scaler, [(x.to(dev), y.to(dev))], dtype)  # the course's AMP step
                 steps, samples = steps + 1, samples + len(y)
                 if steps % s["log_every"] == 0:
-                    log.append(loss.item())  # a device-to-host copy: the host waits for the GPU
+                    log.append(step.loss.item())  # a device-to-host copy: the host waits for the GPU
                 if s["eval_every"] and steps % s["eval_every"] == 0:
                     evaluate()
                     evals += 1
