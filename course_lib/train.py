@@ -41,7 +41,7 @@ AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass
 class StepResult:
-    """Chapter 00: what one amp_step leaves on the device; nothing here has been read back yet."""
+    """Chapter 04: what one amp_step leaves on the device; nothing here has been read back yet."""
     loss: torch.Tensor                 # the step's mean loss (fp32, detached)
     grad_norm: torch.Tensor | None     # pre-clip norm of the unscaled gradients, when clipping
     scale: torch.Tensor | float        # the scale after update(); 1.0 without a scaler
@@ -53,7 +53,7 @@ def amp_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.a
              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
              forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
              clip_grad_norm: float | None = None) -> StepResult:
-    """Chapters 00, 03, 04: the course's AMP step, one optimizer step over `micro_batches` (on the device).
+    """Chapter 04: the course's AMP step, one optimizer step over `micro_batches` (on the device).
 
     `dtype` None runs fp32 (autocast off); a disabled scaler passes every call through. `forward(x, y)`
     returns the loss (default: loss_fn(model(x), y)). Each micro-batch's mean loss is weighted by its

@@ -489,3 +489,250 @@ def test_a_scaler_beside_bf16_and_a_deprecated_scaler_are_named():
 def test_a_custom_function_without_custom_fwd_is_explained():
     report = diagnose(custom_function, *setup())
     assert report.codes == ["raised"] and "custom_fwd" in report.findings[0].fix, str(report)
+
+
+# --------------------------------------------------------------------------- the AMP examples page
+# https://docs.pytorch.org/docs/stable/notes/amp_examples.html: each pattern as the page writes it (fp16 autocast
+# on the CPU); the typical loop, clipping and accumulation are `typical`, `clipped` and `accumulated` above.
+
+def page_penalty(model, opt, scaler, batches, scale_loss=True, unscale=True, divide=False):  # "Gradient penalty"
+    for x, y in batches:
+        opt.zero_grad()
+        with fp16():
+            loss = F.cross_entropy(model(x), y)
+        outputs = scaler.scale(loss) if scale_loss else loss  # the page: scaler.scale(loss)
+        grads = torch.autograd.grad(outputs=outputs, inputs=model.parameters(), create_graph=True)
+        if unscale and scale_loss:
+            inv_scale = 1.0 / scaler.get_scale()  # the gradients belong to no optimizer: unscale by hand
+            grads = [p / scaler.get_scale() for p in grads] if divide else [p * inv_scale for p in grads]
+        with fp16():
+            grad_norm = 0
+            for g in grads:
+                grad_norm += g.pow(2).sum()
+            loss = loss + grad_norm.sqrt()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
+def page_two_models(models, opts, scaler, batches):  # "Working with Multiple Models, Losses, and Optimizers"
+    (model0, model1), (optimizer0, optimizer1) = models, opts
+    for x, y in batches:
+        optimizer0.zero_grad()
+        optimizer1.zero_grad()
+        with fp16():
+            output0, output1 = model0(x), model1(x)
+            loss0 = F.mse_loss(2 * output0 + 3 * output1, y)
+            loss1 = F.mse_loss(3 * output0 - 5 * output1, y)
+        scaler.scale(loss0).backward(retain_graph=True)
+        scaler.scale(loss1).backward()
+        scaler.unscale_(optimizer0)  # the page: choose which optimizers receive explicit unscaling
+        scaler.step(optimizer0)
+        scaler.step(optimizer1)
+        scaler.update()
+
+
+class PageMM(torch.autograd.Function):  # "Autocast and Custom Autograd Functions": custom_fwd / custom_bwd
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a.mm(b)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        return grad.mm(b.t()), a.t().mm(grad)
+
+
+class PageFloat32Func(torch.autograd.Function):  # the page's cast_inputs=torch.float32 variant
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx, x):
+        assert x.dtype == torch.float32
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return grad * (s + x * s * (1 - s))
+
+
+def page_custom_functions(model, opt, scaler, batches):
+    w = torch.nn.Parameter(torch.eye(4) + 0.1 * torch.randn(4, 4))
+    opt.add_param_group({"params": [w]})
+    for x, y in batches:
+        opt.zero_grad()
+        with fp16():
+            loss = F.cross_entropy(PageFloat32Func.apply(PageMM.apply(model(x), w)), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
+PAGE_LOOPS = [(typical, 1, 6), (clipped, 1, 6), (functools.partial(accumulated, clip=False), ACCUM, 8),
+              (page_penalty, 1, 6), (functools.partial(page_penalty, divide=True), 1, 4),
+              (page_custom_functions, 1, 6)]
+
+
+@pytest.mark.parametrize("init_scale", [2.0 ** 16, 2.0 ** 24, 2.0 ** 32])
+@pytest.mark.parametrize("train,accum,n", PAGE_LOOPS,
+                         ids=lambda v: getattr(v, "__name__", getattr(getattr(v, "func", None), "__name__", "")))
+def test_every_pattern_of_the_amp_examples_page_gets_no_finding(train, accum, n, init_scale):
+    # 2^24 and 2^32 over a few steps: the first steps are skipped while the scale comes down, as GradScaler does
+    report = diagnose(train, *setup(init_scale=init_scale, n=n), loss_fn=F.cross_entropy, accum_steps=accum)
+    assert report.codes == [], str(report)
+
+
+@pytest.mark.parametrize("init_scale", [2.0 ** 16, 2.0 ** 24])
+def test_the_pages_multiple_models_losses_and_optimizers_get_no_finding(init_scale):
+    models = multi.two_models(0)
+    opts = tuple(torch.optim.SGD(m.parameters(), lr=0.01) for m in models)
+    batches = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(6)]
+    assert codes(page_two_models, models, opts, torch.amp.GradScaler("cpu", init_scale=init_scale), batches,
+                 loss_fn=None) == []
+
+
+def test_skipped_first_steps_under_a_large_init_scale_are_called_normal_not_a_model_bug():
+    report = diagnose(typical, *setup(init_scale=2.0 ** 24, n=6))
+    assert report.codes == [] and "normal" in " ".join(report.notes), str(report)
+    assert "(6 skipped by the scaler)" in report.summary  # all of them: the scale is still coming down
+
+
+# --------------------------------------------------------------------------- the review's misses and wrong advice
+
+def divided_by(model, opt, scaler, batches, by=2):  # accumulates ACCUM micro-batches, divides by `by`
+    for i, (x, y) in enumerate(batches):
+        with fp16():
+            loss = F.cross_entropy(model(x), y) / by
+        scaler.scale(loss).backward()
+        if (i + 1) % ACCUM == 0:
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("by", [1, 2, 8])
+def test_a_loss_divided_by_the_wrong_count_is_named_with_the_fix(by):
+    report = diagnose(functools.partial(divided_by, by=by), *setup(), loss_fn=F.cross_entropy, accum_steps=ACCUM)
+    assert report.codes == ["loss_not_divided"], str(report)
+    finding = report.findings[0]
+    assert f"{ACCUM / by:.2f} times" in finding.seen and "number of micro-batches" in finding.fix
+
+
+def scheduler_first(model, opt, scaler, batches):  # scheduler.step() before the optimizer's step
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 10))
+    for x, y in batches:
+        opt.zero_grad()
+        with fp16():
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        sched.step()
+        scaler.step(opt)
+        scaler.update()
+
+
+def test_a_per_epoch_scheduler_after_an_evaluation_forward_gets_no_finding():
+    def loop(model, opt, scaler, batches):
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        for epoch in range(2):
+            typical(model, opt, scaler, batches[epoch::2])
+            with torch.no_grad():
+                model(batches[0][0])  # evaluation between the epoch's last step and the scheduler
+            sched.step()
+
+    assert codes(loop, *setup()) == []
+
+
+def test_a_scheduler_stepped_before_the_optimizer_is_named():
+    report = diagnose(scheduler_first, *setup())
+    assert report.codes == ["scheduler_before_step"], str(report)
+    assert "after scaler.step" in report.findings[0].fix and "skipped" in report.findings[0].fix
+    # with skipped steps, the schedule also advanced on them: both are said
+    assert codes(scheduler_first, *setup(init_scale=2.0 ** 24)) == ["scheduler_before_step",
+                                                                     "scheduler_on_skipped_step"]
+
+
+def test_the_gradient_penalty_from_still_scaled_gradients_is_named():
+    report = diagnose(functools.partial(page_penalty, unscale=False), *setup())
+    assert report.codes == ["penalty_from_scaled_grads"], str(report)
+    assert "get_scale()" in report.findings[0].fix
+
+
+def test_the_gradient_penalty_from_the_unscaled_loss_is_named():
+    report = diagnose(functools.partial(page_penalty, scale_loss=False), *setup())
+    assert report.codes == ["penalty_from_unscaled_loss"], str(report)
+    assert "scaler.scale(loss)" in report.findings[0].fix and "underflow" in report.findings[0].fix
+
+
+def no_update(model, opt, scaler, batches, clip=False):
+    for x, y in batches:
+        opt.zero_grad()
+        with fp16():
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        if clip:
+            scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_a_loop_without_update_is_told_update_is_missing(clip):
+    report = diagnose(functools.partial(no_update, clip=clip), *setup())
+    assert report.codes == ["missing_update", "raised"], str(report)
+    assert "twice" not in str(report) and "scaler.update()" in report.findings[0].fix
+
+
+def test_a_single_iteration_without_update_is_told_update_is_missing():
+    assert codes(no_update, *setup(n=1)) == ["missing_update"]
+
+
+def unscale_after_step(model, opt, scaler, batches):
+    for x, y in batches:
+        opt.zero_grad()
+        with fp16():
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.unscale_(opt)
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.update()
+
+
+def test_unscale_after_step_is_told_the_order_not_a_missing_update():
+    report = diagnose(unscale_after_step, *setup())
+    assert report.codes == ["unscale_after_step", "raised"], str(report)
+    assert "before scaler.step" in report.findings[0].fix and "missing" not in str(report)
+
+
+def test_a_direct_step_with_scaled_gradients_is_not_blamed_on_a_forward_overflow():
+    # exercise 05's fix-one-at-a-time workflow: the broken loop with retain_graph=True added. opt1.step() applies
+    # gradients still multiplied by 2^10, the weights blow up and later losses are inf: the cause is the step.
+    def loop(models, opts, scaler, batches):
+        (model0, model1), (opt0, opt1) = models, opts
+        for x, y in batches:
+            opt0.zero_grad()
+            with fp16():
+                out0, out1 = model0(x), model1(x)
+                loss0, loss1 = F.mse_loss(2 * out0 + 3 * out1, y), F.mse_loss(3 * out0 - 5 * out1, y)
+            scaler.scale(loss0).backward(retain_graph=True)
+            opt1.zero_grad()
+            scaler.scale(loss1).backward()
+            nn.utils.clip_grad_norm_(model0.parameters(), 0.1)
+            scaler.unscale_(opt0)
+            scaler.step(opt0)
+            scaler.update()
+            opt1.step()
+
+    models = multi.two_models(seed=0)
+    opts = tuple(torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in models)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(16, 16, generator=g), torch.randn(16, 4, generator=g)) for _ in range(4)]
+    report = diagnose(loop, models, opts, torch.amp.GradScaler("cpu", init_scale=2.0 ** 10), batches)
+    assert report.codes == ["step_without_scaler", "clip_before_unscale"], str(report)
+    assert "inf/NaN" in report.findings[0].seen  # the consequence is said where the cause is

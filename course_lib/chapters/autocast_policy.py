@@ -283,9 +283,8 @@ class PolicyRow:
     def from_dict(cls, d: dict) -> "PolicyRow":
         """The inverse of as_dict (for tables recorded on a GPU in data/reference/)."""
         back = {v: k for k, v in SHORT.items()}
-        dt = lambda s: back.get(s) if s else None  # noqa: E731
-        return cls(d["op"], d["group"], d["device"], back[d["dtype"]], dt(d["from_fp32"]), dt(d["from_low"]),
-                   dt(d["from_mixed"]), d["policy"], d.get("note", ""))
+        f32, low, mixed = (back.get(d[k]) if d[k] else None for k in ("from_fp32", "from_low", "from_mixed"))
+        return cls(d["op"], d["group"], d["device"], back[d["dtype"]], f32, low, mixed, d["policy"], d.get("note", ""))
 
     @property
     def n_inputs(self) -> int:

@@ -1,78 +1,29 @@
 """The AMP doctor: run your training loop under instrumentation and name the classic mistakes.
 
-Chapter 05 introduces it; chapter 09 completes it. It watches what your loop *does*:
-
-    print(diagnose(train, model, optimizer, scaler, batches, loss_fn=F.cross_entropy, accum_steps=4))
-
-`train(model, optimizer, scaler, batches)` is your loop over `batches` (a list of (x, y));
-`model` and `optimizer` may be tuples. It runs on deep copies, with the scaler's and the
-optimizers' methods, `torch.autograd.backward`, gradient clipping and BCE wrapped and the
-forwards hooked: each call is recorded with the autocast state, each backward with whether
-the gradients were clean, each step with the gradients it sees; scheduler steps, torch.save
-and warnings too. The catalogue of mistakes (titles, fixes, chapters) is doctor_catalog.py. With `accum_steps > 1`, one
-model and `loss_fn`, a plain fp32 loop recomputes each step's gradient on the same batches.
+Chapter 05 introduces it, chapter 09 completes it: `print(diagnose(train, model, optimizer, scaler, batches))`.
+`train(model, optimizer, scaler, batches)` is your loop over `batches` (a list of (x, y)); `model` and
+`optimizer` may be tuples. It runs on deep copies, with the scaler's and optimizers' methods,
+`torch.autograd.backward` and `grad`, clipping and BCE wrapped and the forwards hooked, and records each call
+with the autocast state (backward: clean gradients? after a penalty's autograd.grad, were its scaled gradients
+divided by the scale? step: the gradients, the scale). What it says is doctor_catalog.py. With
+`accum_steps > 1`, one model and `loss_fn`, a plain fp32 loop recomputes each step's gradient on the same batches.
 """
 from __future__ import annotations
 
 import copy
 import functools
-import textwrap
+import itertools
 import types
 import warnings
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .doctor_catalog import ERRORS, PROBLEMS
+from .doctor_catalog import PROBLEMS, SEEN, Event, Finding, Report, findings, summary
 
-__all__ = ["Finding", "Report", "diagnose"]
-
-WIDTH = 100
-
-@dataclass(eq=False)
-class Event:
-    """One call the doctor saw: what, for which optimizer (or model), autocast on or off, details."""
-    kind: str
-    index: int | None = None
-    autocast: bool = False
-    info: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Finding:
-    """Chapter 05: one mistake the doctor found: what, what it saw, how to fix it, where it is taught."""
-    code: str
-    title: str
-    seen: str
-    fix: str
-    chapter: str
-
-    def __str__(self) -> str:
-        head = f"✗ {self.title}" + (f"  (chapter {self.chapter})" if self.chapter else "")
-        body = [f"  seen: {self.seen}"] + ([f"  fix:  {self.fix}"] if self.fix else [])
-        return "\n".join([textwrap.fill(head, WIDTH, subsequent_indent="  ")]
-                         + [textwrap.fill(b, WIDTH, subsequent_indent=" " * 8) for b in body])
-
-
-@dataclass
-class Report:
-    """Chapter 05: what diagnose() found, and what it watched."""
-    findings: list[Finding]
-    summary: str
-    events: list[Event]
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def codes(self) -> list[str]:
-        return [f.code for f in self.findings]
-
-    def __str__(self) -> str:
-        ok = [] if self.findings else ["✓ none of the classic AMP mistakes the doctor knows was found"]
-        return "\n".join([textwrap.fill(self.summary, WIDTH, subsequent_indent="  "), *ok, *map(str, self.findings),
-                          *(textwrap.fill(f"note: {n}", WIDTH, subsequent_indent="  ") for n in self.notes)])
+__all__ = ["Finding", "Report", "diagnose", "PROBLEMS"]
 
 
 class Recorder:
@@ -84,11 +35,12 @@ class Recorder:
         self.models, self.opts, self.scaler, self.fn = list(models), list(optimizers), scaler, fn
         self.snapshots, self.in_scaler_step = snapshots, False
         self.device_type = next((p.device.type for m in self.models for p in m.parameters()), "cpu")
-        # every call seen; grad_fn (or tensor) of each scaler.scale() output; (input, RNG state) of each forward
-        self.events, self.scaled, self.forwards = [], [], []
+        # every call seen; grad_fn (or tensor) of each scaler.scale() output; (input, RNG state) of each forward;
+        # grad_fn id -> (grad_fn, scale) of each scaled gradient autograd.grad returned, until the next backward
+        self.events, self.scaled, self.forwards, self.pending = [], [], [], {}
         self.window_start = [0] * len(self.opts)  # forwards seen when each optimizer's current window began
         self._undo: list[Callable[[], None]] = []
-        self.warnings: list[str] = []  # the warnings the loop raised (diagnose records them)
+        self.warnings, self.error = [], None  # what the loop warned and raised (diagnose fills them in)
 
     def autocast_on(self) -> bool:
         return torch.is_autocast_enabled(self.device_type)
@@ -147,16 +99,18 @@ class Recorder:
         s = self.scaler
         if s is not None:
             self._wrap(s, "scale", self._on_scale)
-            self._wrap(s, "unscale_", lambda optimizer: self.events.append(Event("unscale_", self.which(optimizer))))
+            self._wrap(s, "unscale_", lambda optimizer: self.events.append(Event(  # in_step: step's own call
+                "unscale_", self.which(optimizer), info={"in_step": self.in_scaler_step})))
             self._wrap(s, "step", self._on_scaler_step)
             self._wrap(s, "update", self._on_update)
         self._wrap(torch.autograd, "backward", self._on_backward)
-        self._wrap(torch.optim.lr_scheduler.LRScheduler, "step", lambda *a, **k: self.events.append(Event("sched")))
+        self._wrap(torch.optim.lr_scheduler.LRScheduler, "step", lambda sched, *a, **k: None if not getattr(
+            sched, "_step_count", 1) else self.events.append(Event("sched", self.which(sched.optimizer))))  # 0: init
         self._wrap(torch, "save", lambda obj, *a, **k: self.events.append(Event("save", info={
             "checkpoint": _has_keys(obj, {"param_groups"}), "scaler": _has_keys(obj, {"scale", "_growth_tracker"})})))
         replaced = [(getattr(owner, name), self._wrap(owner, name, functools.partial(self._on_call, name)))
                     for owner, name in ((nn.utils, "clip_grad_norm_"), (nn.utils, "clip_grad_value_"),
-                                        (F, "binary_cross_entropy"))]
+                                        (F, "binary_cross_entropy"), (torch.autograd, "grad"))]
         # the same functions under other names: in nn.utils.clip_grad, and `from ... import` in the loop's module
         fn = self.fn
         while isinstance(fn, functools.partial):
@@ -164,10 +118,8 @@ class Recorder:
         spaces = [vars(nn.utils.clip_grad)] if hasattr(nn.utils, "clip_grad") else []
         spaces += [g] if (g := getattr(getattr(fn, "__func__", fn), "__globals__", None)) is not None else []
         for space in spaces:
-            for key, value in list(space.items()):
-                new = next((w for o, w in replaced if value is o), None)
-                if new is not None:
-                    self._set(space, key, new)
+            for key, new in [(key, w) for key, value in space.items() for o, w in replaced if value is o]:
+                self._set(space, key, new)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -199,8 +151,8 @@ class Recorder:
 
     def _on_scaler_step(self, optimizer, *a, **k) -> Callable:
         i = self.which(optimizer)
-        self.events.append(Event("scaler.step", i, self.autocast_on(), {"empty": i is not None and self.clean(i)}))
-
+        self.events.append(Event("scaler.step", i, self.autocast_on(), {
+            "empty": i is not None and self.clean(i), "scale": self.scaler.get_scale()}))
         event, seen = self.events[-1], len(self.events)
 
         def run(old: Callable):
@@ -219,12 +171,30 @@ class Recorder:
         self.scaled.clear()  # every backward of the iteration is done: let its graphs go
 
     def _on_backward(self, tensors, *a, **k) -> None:
-        self.events.append(Event("backward", None, self.autocast_on(), {
-            "clean": [self.clean(i) for i in range(len(self.opts))],
-            "scaled": all(map(self._is_scaled, _tensors(tensors))),
-            "finite": all(bool(torch.isfinite(t.detach()).all()) for t in _tensors(tensors))}))
+        roots = _tensors(tensors)
+        info = {"clean": [self.clean(i) for i in range(len(self.opts))], "scaled": all(map(self._is_scaled, roots)),
+                "finite": all(bool(torch.isfinite(t.detach()).all()) for t in roots)}
+        if self.pending:  # after a gradient penalty's autograd.grad: were its scaled gradients unscaled by hand?
+            info["penalty_unscaled"], self.pending = _divided_by_scale(roots, self.pending), {}
+        self.events.append(Event("backward", None, self.autocast_on(), info))
+
+    def _on_grad(self, *args, **kwargs) -> Callable:
+        outputs = _tensors(args[0] if args else kwargs.get("outputs"))
+        scaled = bool(outputs) and all(map(self._is_scaled, outputs))
+        self.events.append(Event("grad", None, self.autocast_on(), {
+            "scaled": scaled, "finite": all(bool(torch.isfinite(t.detach()).all()) for t in outputs)}))
+        scale = self.scaler.get_scale() if scaled and self.scaler is not None and self.scaler.is_enabled() else None
+
+        def run(old: Callable):
+            grads = old(*args, **kwargs)
+            if scale:  # the next backward tells where these scaled gradients went (_on_backward)
+                self.pending.update({id(g.grad_fn): (g.grad_fn, scale) for g in _tensors(grads) if g.grad_fn})
+            return grads
+        return run
 
     def _on_call(self, name: str, *args, **kwargs) -> Callable | None:
+        if name == "grad":
+            return self._on_grad(*args, **kwargs)
         if name == "binary_cross_entropy":  # returns None: the call goes on as it was
             return self.events.append(Event("bce", None, self.autocast_on()))
         params = args[0] if args else kwargs.pop("parameters")
@@ -252,44 +222,77 @@ def _has_keys(x: object, keys: set[str], depth: int = 4) -> bool:
     return isinstance(x, (list, tuple)) and depth > 0 and any(_has_keys(v, keys, depth - 1) for v in x)
 
 
+def _divided_by_scale(roots: list[torch.Tensor], pending: dict[int, tuple]) -> bool:
+    """In the graph of `roots` (chapter 05), is each of autograd.grad's scaled gradients (`pending`) used only
+    multiplied by 1 / scale (or divided by the scale), as the AMP examples page's gradient penalty does?"""
+    todo, seen = [t.grad_fn for t in roots if t.grad_fn is not None], set()
+    while todo and len(seen) < 100_000:
+        if id(node := todo.pop()) not in seen:
+            seen.add(id(node))
+            nxt = [n for n, _ in node.next_functions if n is not None]
+            if any(id(n) in pending and not _times(node, 1 / pending[id(n)][1]) for n in nxt):
+                return False
+            todo += nxt
+    return True
+
+
+def _times(node: object, factor: float) -> bool:
+    """Is the autograd node a multiplication by the constant `factor`, or a division by 1 / factor?"""
+    name, other = type(node).__name__, getattr(node, "_saved_other", None)
+    ok = name.startswith(("MulBackward", "DivBackward")) and all(n is None for n, _ in node.next_functions[1:])
+    try:  # `other`: one number, a Python one or a tensor of one element
+        return ok and abs((float(other) if name[0] == "M" else 1 / float(other)) / factor - 1) < 1e-3
+    except (TypeError, ValueError, RuntimeError, ZeroDivisionError):
+        return False
+
+
 def _tensors(x: object) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         return [x]
     return [t for item in (x or ()) for t in _tensors(item)] if isinstance(x, (list, tuple)) else []
 
 
-def _analyse(rec: Recorder, enabled: bool, accum: int) -> dict[str, str]:
+def _adder(found: dict[str, str]) -> Callable:
+    """add(key, **numbers): the catalogue's SEEN[key] with the numbers, under the code before any '.' in key."""
+    return lambda key, **kw: found.setdefault(key.split(".")[0], SEEN[key].format(**kw))
+
+
+def _analyse(rec: Recorder, enabled: bool, accum: int, notes: list[str]) -> dict[str, str]:
     """code -> what was seen, for every mistake the events show."""
     ev, found = rec.events, {}
-
-    add = found.setdefault
-    kind = lambda k: [e for e in ev if e.kind == k]  # noqa: E731
-    backs, fwd = kind("backward"), [e for e in kind("forward") if e.index == 0]
+    add, kind = _adder(found), lambda k: [e for e in ev if e.kind == k]
+    backs, fwd, grads = kind("backward"), [e for e in kind("forward") if e.index == 0], kind("grad")
     boundary = [e for e in ev if e.kind == "scaler.step" or (e.kind == "step" and not e.info["via_scaler"])]
-    if n := sum(e.autocast for e in backs):
-        add("backward_in_autocast", f"{n} of {len(backs)} backward() calls ran with autocast on")
-    if n := sum(e.autocast for e in boundary):
-        add("step_in_autocast", f"{n} of {len(boundary)} optimizer steps ran with autocast on")
-    if n := sum(e.autocast for e in kind("bce")):
-        add("bce_in_autocast", f"F.binary_cross_entropy was called {n} times with autocast on")
+    counts = {  # code: (how many calls show the mistake, of how many)
+        "backward_in_autocast": (sum(e.autocast for e in backs), len(backs)),
+        "step_in_autocast": (sum(e.autocast for e in boundary), len(boundary)),
+        "bce_in_autocast": (sum(e.autocast for e in kind("bce")), 0),
+        "not_scaled": (enabled and sum(not e.info["scaled"] for e in backs), len(backs)),
+        "empty_step": (sum(e.info["empty"] for e in kind("scaler.step")), 0),
+        "penalty_from_scaled_grads": (enabled and sum(e.info.get("penalty_unscaled") is False for e in backs), 0),
+        "penalty_from_unscaled_loss": (enabled and sum(not e.info["scaled"] for e in grads), len(grads))}
+    for code, (n, of) in counts.items():
+        if n:
+            add(code, n=n, of=of)
     if enabled and fwd and not any(e.autocast for e in kind("forward")):
-        add("no_autocast", f"{len(kind('forward'))} forward passes, none of them under autocast")
-    if enabled and (n := sum(not e.info["scaled"] for e in backs)):
-        add("not_scaled", f"{n} of {len(backs)} backward() calls started from a loss scaler.scale() never saw")
+        add("no_autocast", n=len(kind("forward")))
     if enabled and (direct := [e for e in kind("step") if not e.info["via_scaler"]]):
-        add("step_without_scaler", f"optimizer {direct[0].index}'s step() was called {len(direct)} times directly")
-    if n := sum(e.info["empty"] for e in kind("scaler.step")):
-        add("empty_step", f"{n} scaler.step() calls found every gradient of their optimizer zero")
-    _analyse_chapter_09(rec, enabled, found)
+        add("step_without_scaler", i=direct[0].index, n=len(direct))
+    if enabled and rec.error is None and (n := len(kind("scaler.step"))) and not kind("update"):
+        add("missing_update.never", n=n)  # a loop that raised has its own iteration (below)
+    _analyse_chapter_09(rec, enabled, found, notes)
     n = len(rec.opts)
     updates, start, zeroed, stepped, unscaled = 0, [0] * n, [False] * n, [False] * n, set()
+    pending: list[bool | None] = [None] * n  # since each one's scaler.step(): a forward? (None: updated since)
     since_update = since_step = window = 0  # forwards since the last update / step of optimizer 0; backwards
     for e in ev:
+        if e.kind == "forward":
+            pending = [p if p is None else True for p in pending]
         if e.kind == "forward" and e.index == 0:
             since_update, since_step = since_update + 1, since_step + 1
         elif e.kind == "backward":
             if accum > 1 and e.info["clean"][0] and window:
-                add("zero_grad_in_window", f"clean gradients at a backward() after {window} in the same window")
+                add("zero_grad_in_window", n=window)
             for i, clean in enumerate(e.info["clean"]):
                 if clean:
                     start[i], zeroed[i] = updates, True
@@ -298,59 +301,77 @@ def _analyse(rec: Recorder, enabled: bool, accum: int) -> dict[str, str]:
             zeroed[e.index] = True
         elif e.kind == "update":
             if enabled and accum > 1 and since_update < accum:
-                add("update_per_microstep", f"update() after {since_update} micro-batch(es); accum_steps = {accum}")
-            updates, since_update = updates + 1, 0
+                add("update_per_microstep", n=since_update, accum=accum)
+            updates, since_update, pending = updates + 1, 0, [None] * n
             unscaled.clear()
         elif e.kind == "clip" and enabled and (bad := [i for i in e.info["owners"] if i not in unscaled]):
-            add("clip_before_unscale", f"{e.info['kind']} ran on optimizer {bad[0]}'s parameters before "
-                                       f"scaler.unscale_() in {'that' if updates else 'the first'} iteration")
+            add("clip_before_unscale", clip=e.info["kind"], i=bad[0], which="that" if updates else "the first")
         i = e.index
+        if enabled and e.kind in ("unscale_", "scaler.step") and i is not None and pending[i] is not None \
+                and not e.info.get("in_step"):  # a forward since its scaler.step() (no update): a new iteration
+            add("missing_update" if pending[i] else "unscale_after_step", call=e.kind.removeprefix("scaler."), i=i)
         if e.kind in ("unscale_", "scaler.step") and i is not None and i not in unscaled:
             if enabled and zeroed[i] and start[i] < updates:  # scaled before an update, unscaled after it
-                add("update_between_steps", f"optimizer {i}'s gradients were scaled before an update() and "
-                                            "unscaled after it")
+                add("update_between_steps", i=i)
             unscaled.add(i)
+        if e.kind == "scaler.step" and i is not None:
+            pending[i] = False
         if e in boundary and i is not None:
             if stepped[i] and not zeroed[i]:
-                add("missing_zero_grad", f"optimizer {i} stepped again with no zero_grad() (and no clean "
-                                         "gradients) since its previous step")
+                add("missing_zero_grad", i=i)
             if i == 0 and accum > 1 and since_step < accum:
-                add("step_per_microstep", f"a step after {since_step} micro-batch(es); accum_steps = {accum}")
+                add("step_per_microstep", n=since_step, accum=accum)
             stepped[i], zeroed[i] = True, False
             since_step, window = (0, 0) if i == 0 else (since_step, window)
             unscaled.add(i)
     return found
 
 
-def _analyse_chapter_09(rec: Recorder, enabled: bool, found: dict[str, str]) -> None:
-    """The mistakes chapter 09 adds: a non-finite loss, a collapsing scale, the scheduler on skipped
-    steps, a scaler beside bf16, deprecated spellings, checkpoints without the scaler."""
-    ev, add = rec.events, found.setdefault
-    backs, steps = [e for e in ev if e.kind == "backward"], [e for e in ev if e.kind == "scaler.step"]
-    if n := sum(not e.info["finite"] for e in backs):
-        add("nonfinite_loss", f"{n} of {len(backs)} backward() calls started from an inf/NaN loss")
-    streak = next((k for k, e in enumerate(reversed(steps)) if not e.info.get("skipped")), len(steps))
-    if enabled and streak >= 5:
-        add("scale_collapsing", f"the last {streak} of {len(steps)} scaler.step() calls were all skipped; the "
-                                f"scale ended at {rec.scaler.get_scale():g}")
-    after_skip, last = 0, None  # scheduler steps that came after a skipped step, before the next forward
-    for e in ev:
-        last = e if e.kind == "scaler.step" else None if e.kind == "forward" else last
-        after_skip += e.kind == "sched" and last is not None and last.info.get("skipped", False)
-    if after_skip:
-        add("scheduler_on_skipped_step", f"scheduler.step() followed {after_skip} of the "
-                                         f"{sum(e.info.get('skipped', False) for e in steps)} skipped steps")
-    dtypes = {e.info["dtype"] for e in ev if e.kind == "forward" and e.autocast}
-    if enabled and dtypes == {torch.bfloat16}:
-        add("scaler_with_bf16", f"an enabled GradScaler beside {sum(e.kind == 'forward' for e in ev)} bf16 forwards")
+def _analyse_chapter_09(rec: Recorder, enabled: bool, found: dict[str, str], notes: list[str]) -> None:
+    """The mistakes chapter 09 adds: an inf/NaN loss, a collapsing scale, the scheduler before the step or on
+    skipped steps, a scaler beside bf16, deprecated spellings, checkpoints without the scaler. Inf losses and
+    skips after a step with scaled gradients (a direct step, a penalty) are said with that mistake."""
+    ev, add, low = rec.events, _adder(found), 2.0 ** 8  # at 256 only gradients above 256 overflow fp16's 65504
+    cut = next((k for k, e in enumerate(ev) if enabled and (e.kind == "step" and not e.info["via_scaler"] or
+                                                            e.info.get("penalty_unscaled") is False)), len(ev))
+    cause = None if cut == len(ev) else "step_without_scaler" if ev[cut].kind == "step" else "penalty_from_scaled_grads"
+    roots = [(k, e) for k, e in enumerate(ev) if e.kind == "grad" or e.kind == "backward" and
+             "penalty_unscaled" not in e.info]  # a penalty's total is judged by the loss autograd.grad saw
+    if n := sum(not e.info["finite"] for k, e in roots if k < cut):
+        add("nonfinite_loss", n=n, of=len(roots))
+    if cause and (n := sum(not e.info["finite"] for k, e in roots if k > cut)):
+        found[cause] += SEEN["consequence"].format(n=n)
+    steps = [e for k, e in enumerate(ev) if e.kind == "scaler.step" and k < cut]
+    streak = list(itertools.takewhile(lambda e: e.info.get("skipped"), reversed(steps)))  # the last, backwards
+    skips = [e.info["scale"] for e in steps if e.info.get("skipped")]
+    if enabled and sum(e.info["scale"] <= low for e in streak) >= 5:
+        add("scale_collapsing", n=len(streak), of=len(steps), low=streak[0].info["scale"], end=rec.scaler.get_scale())
+    elif enabled and skips:
+        notes.append(SEEN["skips_note"].format(n=len(skips), of=len(steps), hi=max(skips), lo=min(skips)))
+    bounds = [k for k, e in enumerate(ev) if e.kind == "scaler.step" or (e.kind == "step" and not e.info["via_scaler"])]
+
+    def forward(a: int, b: int) -> bool:  # a forward pass among events a..b-1
+        return any(ev[j].kind == "forward" for j in range(a, b))
+    before = on_skipped = 0
+    for k, e in ((k, e) for k, e in enumerate(ev) if e.kind == "sched"):  # which step is each scheduler step's?
+        mine = [j for j in bounds if e.index is None or ev[j].index == e.index]
+        prev, nxt = max((j for j in mine if j < k), default=None), min((j for j in mine if j > k), default=None)
+        step = prev if prev is not None and not forward(prev, k) else None
+        if step is None and (prev is None or nxt is not None and not forward(k, nxt)):
+            before, step = before + 1, nxt  # stepped before the optimizer's step it belongs to
+        on_skipped += step is not None and ev[step].info.get("skipped", False)
+    if before:
+        add("scheduler_before_step", n=before)
+    if on_skipped:
+        add("scheduler_on_skipped_step", n=on_skipped, of=sum(e.info.get("skipped", False) for e in steps))
+    if enabled and {e.info["dtype"] for e in ev if e.kind == "forward" and e.autocast} == {torch.bfloat16}:
+        add("scaler_with_bf16", n=sum(e.kind == "forward" for e in ev))
     old = [w for w in rec.warnings if "deprecated" in w and ("torch.cuda.amp" in w or "torch.cpu.amp" in w)]
     if old or type(rec.scaler).__module__.startswith("torch.cuda.amp"):
-        add("deprecated_amp_api", old[0].split(" is deprecated")[0] + " is deprecated" if old else
-            "the scaler is a torch.cuda.amp.GradScaler")
+        add("deprecated_amp_api", what=old[0].split(" is deprecated")[0] if old else "torch.cuda.amp.GradScaler")
     saves = [e for e in ev if e.kind == "save" and e.info["checkpoint"]]
     if enabled and (n := sum(not e.info["scaler"] for e in saves)):
-        add("checkpoint_without_scaler", f"{n} of {len(saves)} torch.save() calls of a training checkpoint (it holds "
-                                         "an optimizer state) had no scaler state in it")
+        add("checkpoint_without_scaler", n=n, of=len(saves))
 
 
 def _grad_check(rec: Recorder, model: nn.Module, batches: list, loss_fn: Callable) -> tuple[dict, str]:
@@ -381,9 +402,8 @@ def _grad_check(rec: Recorder, model: nn.Module, batches: list, loss_fn: Callabl
             continue
         ratio, cos = (user.norm() / want.norm()).item(), F.cosine_similarity(user, want, dim=0).item()
         worst, n = max(worst, ((user - want).norm() / want.norm()).item()), n + 1
-        if hi - lo > 1 and cos > 0.95 and abs(ratio / (hi - lo) - 1) < 0.15:
-            found.setdefault("loss_not_divided", f"the gradient at an optimizer step was {ratio:.2f} times a correct "
-                                                 f"loop's on the same {hi - lo} micro-batches")
+        if hi - lo > 1 and cos > 0.95 and abs(ratio - 1) > 0.15:  # the right direction, the wrong size
+            _adder(found)("loss_not_divided", ratio=ratio, n=hi - lo, by=(hi - lo) / ratio)
     return found, (f"gradient check: {n} optimizer steps compared with a plain fp32 loop on the same batches; "
                    f"largest relative difference {worst:.1%}" if n else "gradient check: no optimizer step to compare")
 
@@ -403,14 +423,13 @@ def diagnose(train: Callable, model: nn.Module | Sequence[nn.Module],
     models_c, opts_c, scaler_c = copy.deepcopy((models, opts, scaler))
     for m in models_c:
         m.zero_grad(set_to_none=True)  # gradients left over in your notebook are not the loop's doing
-    batches, rng, error = list(batches), _rng_state(), None
-    caught: list = []
+    batches, rng, error, caught = list(batches), _rng_state(), None, []
     check = accum_steps > 1 and loss_fn is not None and len(models) == 1 and len(opts) == 1
     rec = Recorder(models_c, opts_c, scaler_c, train, snapshots=check)
     enabled = scaler_c is not None and scaler_c.is_enabled()
     low = sorted({str(p.dtype).removeprefix("torch.") for m in models for p in m.parameters()
                   if p.dtype in (torch.float16, torch.bfloat16)})
-    found = {"fp16_params": f"parameters of dtype {', '.join(low)} before the loop ran"} if low else {}
+    found = {"fp16_params": SEEN["fp16_params"].format(dtypes=", ".join(low))} if low else {}
     try:
         with rec, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -418,25 +437,13 @@ def diagnose(train: Callable, model: nn.Module | Sequence[nn.Module],
                   scaler_c, batches)
     except Exception as e:  # the loop's own error is part of the diagnosis
         error = e
-    rec.warnings = [str(w.message) for w in caught]
-    found = {**_analyse(rec, enabled, accum_steps), **found}
-    notes = []
+    rec.warnings, rec.error = [str(w.message) for w in caught], error
+    notes: list[str] = []
+    found = {**_analyse(rec, enabled, accum_steps, notes), **found}
     if check and error is None:
         grads, note = _grad_check(rec, models[0], batches, loss_fn)
-        found, notes = {**grads, **found}, [note]
+        found, notes = {**grads, **found}, [note, *notes]
     _set_rng_state(rng)
-    findings = [Finding(c, PROBLEMS[c][0], found[c], *PROBLEMS[c][1:]) for c in PROBLEMS if c in found]
-    if error is not None:
-        text = f"{type(error).__name__}: " + " ".join(str(error).split()).split(". ")[0]  # its first sentence
-        meaning = next((m for key, m in ERRORS if key in str(error)), "")
-        findings.append(Finding("raised", f"your loop raised {type(error).__name__}", text[:300], meaning, ""))
-    ev = rec.events
-    count = lambda k: sum(e.kind == k for e in ev)  # noqa: E731
-    skips = count("scaler.step") - sum(e.kind == "step" and e.info["via_scaler"] for e in ev)
-    dtypes = sorted({str(e.info["dtype"]).removeprefix("torch.") for e in ev if e.kind == "forward" and e.autocast})
-    scale = (f"; scale {scaler.get_scale():g} -> {scaler_c.get_scale():g}" if enabled
-             else "; no GradScaler" if scaler_c is None else "; GradScaler disabled")
-    summary = (f"the doctor ran your loop on copies over {len(batches)} batches: {count('forward')} forward, "
-               f"{count('backward')} backward, {count('step')} optimizer steps ({skips} skipped by the scaler); "
-               f"autocast {', '.join(dtypes) or 'never on'}{scale}")
-    return Report(findings, summary, ev, notes)
+    scales = (scaler.get_scale(), scaler_c.get_scale()) if enabled else "no GradScaler" if scaler_c is None else \
+        "GradScaler disabled"
+    return Report(findings(found, error), summary(rec.events, len(batches), scales), rec.events, notes)

@@ -94,7 +94,9 @@ def two_models(seed: int = 0, features: int = 16, hidden: int = 32, out: int = 4
                device: str | torch.device = "cpu") -> tuple[nn.Module, nn.Module]:
     """Chapter 05: model0 and model1 of the article's example: two small MLPs, initialised from `seed`
     (the global random state is left as it was)."""
-    make = lambda: nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, out))  # noqa: E731
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, out))
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return make().to(device), make().to(device)
