@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from course_lib.chapters import ladder, targets
+from course_lib.chapters import ladder, parity, targets
 
 
 def test_resnet50_ladder_times_every_rung_this_machine_can_run_and_says_why_not_the_others(monkeypatch):
@@ -49,10 +49,10 @@ def test_course_ladder_adds_one_change_per_rung_and_skips_compiling_on_a_cpu():
 
 
 def test_accuracy_parity_trains_two_seeds_and_mixed_precision_and_reads_them():
-    runs = ladder.accuracy_parity("cpu", train_size=64, test_size=40, epochs=1, batch=32, width=4)
+    runs = parity.accuracy_parity("cpu", train_size=64, test_size=40, epochs=1, batch=32, width=4)
     assert list(runs)[:2] == ["fp32, seed 0", "fp32, seed 1"] and list(runs)[2].endswith("seed 0")
     assert all(len(h.eval) == 1 and len(h.loss) == 2 for h in runs.values())
-    text = ladder.read_parity(runs)
+    text = parity.read_parity(runs)
     assert "seed-to-seed noise" in text and all(len(line) <= 100 for line in text.splitlines())
 
 
@@ -156,3 +156,10 @@ def test_largest_batch_doubles_until_out_of_memory_with_one_untimed_step_per_pro
     found = ladder.largest_batch("fp16")
     assert found["largest_batch"] == 256 and found["note"] == ""
     assert asked == [(64, 1, 0), (128, 1, 0), (256, 1, 0), (512, 1, 0)]  # no warm-up: a probe times nothing
+
+
+def test_each_rung_is_the_one_before_it_with_one_change():
+    for rungs in (ladder.COURSE_RUNGS, ladder.GPT_RUNGS):
+        for before, after in zip(rungs, rungs[1:]):
+            changed = [k for k, v in vars(after).items() if k != "label" and v != vars(before)[k]]
+            assert len(changed) == 1, (after.label, changed)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-import textwrap
 import time
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -28,13 +28,13 @@ from ..device import cuda_capability, has_native_bf16, peak_tflops, pick_device,
 from ..models import GPT, GPTConfig, SimpleCNN
 from ..reference import record
 from ..timing import Timing, compare, peak_memory_bytes, saved_tensor_bytes, time_fn
-from ..train import AMP_DTYPES, History, StepResult, TrainConfig, Trainer, amp_step
+from ..train import AMP_DTYPES, StepResult, TrainConfig, Trainer, amp_step
 from .bench import mixed_precision_for, step_row
 from .matmul import matmul_tflops
 from .targets import format_targets, targets
 
-__all__ = ["course_ladder", "resnet50_ladder", "largest_batch", "gpt_ladder", "optimizer_table", "checkpointing_table",
-           "format_rows", "read_rungs", "accuracy_parity", "read_parity"]
+__all__ = ["Rung", "climb", "COURSE_RUNGS", "GPT_RUNGS", "course_ladder", "resnet50_ladder", "largest_batch",
+           "gpt_ladder", "optimizer_table", "checkpointing_table", "format_rows", "read_rungs"]
 
 
 def _with_speedup(rows: list[dict]) -> list[dict]:
@@ -47,16 +47,30 @@ def _with_speedup(rows: list[dict]) -> list[dict]:
 
 # --------------------------------------------------------------------------- the course's model
 
-# (label, mixed precision, channels_last, fused AdamW, torch.compile, feed): one change per rung. The feed is
-# "loader" (make_loader's defaults: no workers), "workers" (chapter 07's loader: 4 workers, pinned memory,
-# kept alive between epochs) or "device" (the images moved to the device once).
-COURSE_RUNGS = [("fp32, DataLoader", False, False, False, False, "loader"),
-                ("+ AMP", True, False, False, False, "loader"),
-                ("+ channels_last", True, True, False, False, "loader"),
-                ("+ fused AdamW", True, True, True, False, "loader"),
-                ("+ torch.compile", True, True, True, True, "loader"),
-                ("+ 4 workers, pinned", True, True, True, True, "workers"),
-                ("+ data on the device", True, True, True, True, "device")]
+@dataclass(frozen=True)
+class Rung:
+    """Chapter 09: one rung of a ladder: its label and everything switched on by then."""
+    label: str
+    amp: bool = False            # autocast in the device's 16-bit type (a GradScaler with fp16)
+    channels_last: bool = False  # course ladder: NHWC weights and inputs
+    fused: bool = False          # AdamW(fused=True)
+    compiled: bool = False       # torch.compile(model)
+    feed: str = "loader"         # course ladder: "loader" (no workers), "workers" (4, pinned), "device"
+    tf32: bool = False           # GPT ladder: TF32 for fp32 matmuls
+    sdpa: bool = False           # GPT ladder: F.scaled_dot_product_attention
+
+
+def climb(first: Rung, *changes: tuple[str, dict]) -> list[Rung]:
+    """Chapter 09: a ladder from its first rung, each next rung the one before with one change."""
+    rungs = [first]
+    for label, change in changes:
+        rungs.append(replace(rungs[-1], label=label, **change))
+    return rungs
+
+
+COURSE_RUNGS = climb(Rung("fp32, DataLoader"), ("+ AMP", {"amp": True}), ("+ channels_last", {"channels_last": True}),
+                     ("+ fused AdamW", {"fused": True}), ("+ torch.compile", {"compiled": True}),
+                     ("+ 4 workers, pinned", {"feed": "workers"}), ("+ data on the device", {"feed": "device"}))
 
 
 class _Waits:
@@ -104,22 +118,22 @@ def course_ladder(device: str = "auto", batch: int | None = None, steps: int | N
     amp = mixed_precision_for(dev)
     ds = load_dataset(train_size=None if cuda else 2048, verbose=False)
     rows = []
-    for label, mixed, channels_last, fused, compiled, feed in COURSE_RUNGS:
-        label = label.replace("AMP", f"AMP {amp}")
+    for rung in COURSE_RUNGS:
+        label, compiled = rung.label.replace("AMP", f"AMP {amp}"), rung.compiled
         if compiled and not cuda and not compile_on_cpu:  # not measured; the last rung runs uncompiled
-            if feed != "device":
+            if rung.feed != "device":
                 rows.append({"mode": label, "note": "skipped on a CPU: compiling takes minutes there"})
                 continue
             compiled, label = False, label + " (eager)"
         torch.manual_seed(0)
         model = SimpleCNN(in_channels=1)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if fused else {}))
-        cfg = TrainConfig(precision=amp if mixed else "fp32", device=str(dev), channels_last=channels_last,
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if rung.fused else {}))
+        cfg = TrainConfig(precision=amp if rung.amp else "fp32", device=str(dev), channels_last=rung.channels_last,
                           progress=False, log_every=10**9)
         trainer = Trainer(torch.compile(model) if compiled else model, opt, cfg)
-        loader_args = {"num_workers": 4, "pin_memory": cuda, "persistent_workers": True} if feed == "workers" else {}
-        batches = _Waits(_resident(*(t.to(dev) for t in ds.train.tensors), batch) if feed == "device" else
-                         _cycle(make_loader(ds.train, batch, seed=0, drop_last=True, **loader_args)))
+        workers = {"num_workers": 4, "pin_memory": cuda, "persistent_workers": True} if rung.feed == "workers" else {}
+        batches = _Waits(_resident(*(t.to(dev) for t in ds.train.tensors), batch) if rung.feed == "device" else
+                         _cycle(make_loader(ds.train, batch, seed=0, drop_last=True, **workers)))
         timing = time_fn(lambda t=trainer, b=batches: t.train_step([next(b)]), warmup=3 if compiled else 2,
                          iters=steps, device=dev)
         q1, q3 = timing.quartiles_ms
@@ -127,7 +141,8 @@ def course_ladder(device: str = "auto", batch: int | None = None, steps: int | N
         waited = sum(batches.wait_ms[-steps:]) / sum(timing.times_ms)
         rows.append({"mode": label, "precision": trainer.precision, "batch": batch, "ms_per_step": timing.median_ms,
                      "ms_q1": q1, "ms_q3": q3, "times_ms": timing.times_ms,
-                     "samples_per_s": batch / timing.median_ms * 1e3, "feed": feed, "data_wait": min(waited, 1.0)})
+                     "samples_per_s": batch / timing.median_ms * 1e3, "feed": rung.feed,
+                     "data_wait": min(waited, 1.0)})
         del trainer, model, opt
     return _with_speedup(rows)
 
@@ -210,10 +225,9 @@ def _gpt_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tenso
     return lambda: amp_step(model, opt, scaler, [(x, y)], dtype, forward=lambda a, b: model(a, b)[1])
 
 
-# (label, tf32, mixed precision, SDPA attention, torch.compile, fused AdamW): each rung adds one change.
-GPT_RUNGS = [("FP32 (strict)", False, False, False, False, False), ("TF32", True, False, False, False, False),
-             ("AMP", True, True, False, False, False), ("+ SDPA attention", True, True, True, False, False),
-             ("+ torch.compile", True, True, True, True, False), ("+ fused AdamW", True, True, True, True, True)]
+GPT_RUNGS = climb(Rung("FP32 (strict)"), ("TF32", {"tf32": True}), ("AMP", {"amp": True}),
+                  ("+ SDPA attention", {"sdpa": True}), ("+ torch.compile", {"compiled": True}),
+                  ("+ fused AdamW", {"fused": True}))
 
 
 def gpt_ladder(device: str = "auto", batch: int | None = None, seq: int | None = None, steps: int | None = None,
@@ -236,20 +250,20 @@ def gpt_ladder(device: str = "auto", batch: int | None = None, seq: int | None =
     y = torch.randint(0, config.vocab_size, (batch, seq), device=dev, generator=g)
     peak = peak_tflops(name, amp) if name else None  # the one peak every rung is measured against
     rows = []
-    for label, allow_tf32, mixed, sdpa, compiled, fused in GPT_RUNGS:
-        label = label.replace("AMP", f"AMP {amp}")
-        if compiled and dev.type != "cuda" and not compile_on_cpu:
+    for rung in GPT_RUNGS:
+        label = rung.label.replace("AMP", f"AMP {amp}")
+        if rung.compiled and dev.type != "cuda" and not compile_on_cpu:
             rows.append({"mode": label, "note": "skipped on a CPU: compiling takes minutes there (see the GPU run)"})
             continue
-        if allow_tf32 and not mixed and not (dev.type == "cuda" and cuda_capability(dev) >= (8, 0)):
+        if rung.tf32 and not rung.amp and not (dev.type == "cuda" and cuda_capability(dev) >= (8, 0)):
             rows.append({"mode": label, "note": "TF32 needs an NVIDIA Ampere-or-newer GPU (sm_80+)"})
             continue
         torch.manual_seed(0)
-        model = GPT(GPTConfig(**{**config.__dict__, "sdpa": sdpa})).to(dev)
-        opt = torch.optim.AdamW(model.parameters(), lr=6e-4, **({"fused": True} if fused else {"foreach": True}))
-        scaler = torch.amp.GradScaler(dev.type, enabled=mixed and amp == "fp16")
-        step = _gpt_step(torch.compile(model) if compiled else model, opt, x, y, amp if mixed else None, scaler)
-        with tf32(allow_tf32):
+        model = GPT(GPTConfig(**{**config.__dict__, "sdpa": rung.sdpa})).to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=6e-4, **({"fused": True} if rung.fused else {"foreach": True}))
+        scaler = torch.amp.GradScaler(dev.type, enabled=rung.amp and amp == "fp16")
+        step = _gpt_step(torch.compile(model) if rung.compiled else model, opt, x, y, amp if rung.amp else None, scaler)
+        with tf32(rung.tf32):
             timing = time_fn(step, warmup=3, iters=steps or (10 if dev.type == "cuda" else 3), device=dev)
         tokens_s = batch * seq / timing.median_ms * 1e3
         achieved = model.flops_per_token(seq) * tokens_s / 1e12
@@ -335,43 +349,6 @@ def checkpointing_table(device: str = "auto", steps: int | None = None) -> list[
                      "peak_memory_gib": peak / 2**30 if peak is not None else None})
         del model, opt, step
     return _with_speedup(rows)
-
-
-# --------------------------------------------------------------------------- does AMP change what is learned?
-
-def accuracy_parity(device: str = "auto", train_size: int | None = None, test_size: int = 1000, epochs: int = 3,
-                    batch: int = 64, width: int | None = None, lr: float = 5e-3) -> dict[str, History]:
-    """Chapter 09: the course's CNN trained on the shipped Fashion-MNIST three times: fp32 with seed 0,
-    fp32 with seed 1 (how much two seeds differ: the noise), and mixed precision with seed 0.
-
-    Defaults: on a GPU the full width (64) on the 10,000 shipped images; on a CPU width 16 on 2,048.
-    """
-    dev = pick_device(device)
-    cuda = dev.type == "cuda"
-    ds = load_dataset(train_size=train_size or (None if cuda else 2048), test_size=test_size, verbose=False)
-    runs = {}
-    for label, precision, seed in (("fp32, seed 0", "fp32", 0), ("fp32, seed 1", "fp32", 1),
-                                   (f"{mixed_precision_for(dev)}, seed 0", mixed_precision_for(dev), 0)):
-        torch.manual_seed(seed)
-        model = SimpleCNN(in_channels=1, width=width or (64 if cuda else 16))
-        cfg = TrainConfig(precision=precision, device=str(dev), epochs=epochs, log_every=8, progress=False)
-        trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=lr), cfg)
-        runs[label] = trainer.fit(make_loader(ds.train, batch, seed=seed),
-                                  eval_loader=make_loader(ds.test, 500, shuffle=False))
-    return runs
-
-
-def read_parity(runs: dict[str, History]) -> str:
-    """Chapter 09: the mixed-precision run against the fp32 run of the same seed, measured against the
-    difference two fp32 seeds make: is AMP's effect on accuracy larger than the noise?"""
-    a, seed1, b = runs
-    acc = {k: h.eval[-1]["accuracy"] for k, h in runs.items()}
-    noise, effect = abs(acc[a] - acc[seed1]), abs(acc[b] - acc[a])
-    verdict = ("within the seed-to-seed noise" if effect <= noise else
-               "larger than the seed-to-seed noise of this run; repeat with more seeds before concluding")
-    return "\n".join(["test accuracy: " + ", ".join(f"{k} {v:.3f}" for k, v in acc.items()),
-                      textwrap.fill(f"{b} vs {a}: {effect:.3f} apart; {a} vs {seed1}: {noise:.3f} apart. The "
-                                    f"mixed-precision difference is {verdict}.", 100)])
 
 
 # --------------------------------------------------------------------------- tables
