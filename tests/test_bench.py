@@ -80,3 +80,27 @@ def test_compare_runs_on_a_gpu_names_its_tensor_cores(monkeypatch, cc, native, e
     monkeypatch.setattr(bench, "has_native_bf16", lambda dev=None: native)
     text = bench.compare_runs({"fp32": 3.0, "fp16": 1.0}, "cuda")
     assert "fp16 was 3.00x faster" in text and expect in text
+
+
+def test_a_cuda_step_row_is_timed_with_cudnn_autotuning_on_and_restores_the_flag(monkeypatch):
+    # The ResNet-50 targets assume cudnn.benchmark (fixed shapes: the fastest convolution algorithm is
+    # picked in the warm-up). The row must time with it on, on CUDA only, and leave the flag as it was.
+    import torch
+
+    seen = {}
+
+    class FakeTrainer:
+        def __init__(self, model, optimizer, cfg):
+            pass
+
+        def train_step(self, batches):
+            seen.setdefault("benchmark", torch.backends.cudnn.benchmark)
+    monkeypatch.setattr(bench, "synthetic_batches", lambda *a, **k: [(torch.zeros(2, 1, 28, 28), torch.zeros(2))])
+    monkeypatch.setattr(bench, "Trainer", FakeTrainer)
+    monkeypatch.setattr(bench, "peak_memory_bytes", lambda step, device: step() or 0)
+    monkeypatch.setattr(bench, "time_fn", lambda step, **k: (step(), bench.Timing([1.0]))[1])
+    for device, expected in (("cuda", True), ("cpu", False)):
+        seen.clear()
+        before = torch.backends.cudnn.benchmark
+        bench.step_row("simplecnn", "fp32", torch.device(device), batch=2, steps=1)
+        assert seen["benchmark"] is expected and torch.backends.cudnn.benchmark == before
