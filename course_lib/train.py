@@ -60,16 +60,16 @@ def amp_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.a
     share of the samples, len(y) / total (loss / n when all n have the same size), so that the summed
     gradient is the big batch's even when a short last batch is one of them (chapter 04).
     """
-    device = next(model.parameters()).device.type
+    device = next(model.parameters()).device
     forward = forward or (lambda x, y: loss_fn(model(x), y))
     optimizer.zero_grad(set_to_none=True)  # nothing from before counts
-    total, samples = torch.zeros((), device=next(model.parameters()).device), sum(len(y) for _, y in micro_batches)
+    total, samples = torch.zeros((), device=device), sum(len(y) for _, y in micro_batches)
     is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
     for i, (x, y) in enumerate(micro_batches):
         share = len(y) / samples
         # DDP all-reduces gradients during backward; skip that on all but the last micro-batch.
         with model.no_sync() if is_ddp and i < len(micro_batches) - 1 else contextlib.nullcontext():
-            with torch.autocast(device, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
                 loss = forward(x, y)                        # forward and loss only ...
             scaler.scale(loss * share).backward()           # ... backward outside autocast
         total += loss.detach().float() * share
