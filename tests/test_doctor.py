@@ -251,15 +251,19 @@ def zero_every_micro_batch(model, opt, scaler, batches):
             scaler.update()
 
 
-def not_divided(model, opt, scaler, batches):
+def divided_by(model, opt, scaler, batches, by=2):  # accumulates ACCUM micro-batches, divides by `by`
     for i, (x, y) in enumerate(batches):
         with fp16():
-            loss = F.cross_entropy(model(x), y)
+            loss = F.cross_entropy(model(x), y) / by
         scaler.scale(loss).backward()
         if (i + 1) % ACCUM == 0:
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
+
+
+def not_divided(model, opt, scaler, batches):
+    divided_by(model, opt, scaler, batches, by=1)
 
 
 def unscaled_backward(model, opt, scaler, batches):
@@ -604,17 +608,6 @@ def test_skipped_first_steps_under_a_large_init_scale_are_called_normal_not_a_mo
 
 
 # --------------------------------------------------------------------------- the review's misses and wrong advice
-
-def divided_by(model, opt, scaler, batches, by=2):  # accumulates ACCUM micro-batches, divides by `by`
-    for i, (x, y) in enumerate(batches):
-        with fp16():
-            loss = F.cross_entropy(model(x), y) / by
-        scaler.scale(loss).backward()
-        if (i + 1) % ACCUM == 0:
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-
 
 @pytest.mark.parametrize("by", [1, 2, 8])
 def test_a_loss_divided_by_the_wrong_count_is_named_with_the_fix(by):
