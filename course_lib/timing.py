@@ -138,7 +138,10 @@ def saved_tensor_bytes(fn: Callable[[], object]) -> dict[torch.dtype, int]:
         if t.device.type != "meta":
             s = t.untyped_storage()
             seen[(s.data_ptr(), s.nbytes())] = (t.dtype, s.nbytes())
-        return t
+        # Detached, never `t` itself: a saved *output* (ReLU's, log_softmax's) carries the grad_fn
+        # that holds this packed value, a cycle through C++ that gc.collect() cannot free when no
+        # backward runs, as here (pytorch/pytorch#115255). It kept a whole graph alive per call.
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()

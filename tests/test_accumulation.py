@@ -168,3 +168,19 @@ def test_memory_rows_on_a_cpu_and_the_recording_cli(tmp_path, capsys):
     assert saved["provenance"]["command"].startswith("python -m course_lib.chapters.accumulation")
     assert len(saved["rows"]) == 2 and saved["batch"] == 4
     assert "wrote" in capsys.readouterr().out
+
+
+def test_peak_saved_bytes_frees_a_graph_that_never_ran_backward():
+    import gc
+    import weakref
+
+    lin, kept = torch.nn.Linear(16, 16), []
+
+    def forward():
+        h = lin(torch.randn(4, 16)).relu()
+        kept.append(weakref.ref(h))
+        h.sum()
+
+    assert A.peak_saved_bytes(forward) > 0
+    gc.collect()
+    assert kept[0]() is None, "the saved ReLU output outlived the measurement"

@@ -43,3 +43,24 @@ def test_saved_activation_bytes_halve_under_bf16_autocast_and_count_per_dtype():
 def test_peak_memory_is_none_off_cuda_but_the_function_still_runs():
     calls = []
     assert timing.peak_memory_bytes(lambda: calls.append(1), "cpu") is None and calls == [1]
+
+
+def test_counting_saved_bytes_frees_the_graph_even_when_no_backward_runs():
+    # ReLU saves its own output; a pack hook that kept that tensor (not a detached view) made a cycle
+    # through C++ that gc cannot collect, so every forward-only count leaked its whole graph and
+    # inflated the next peak-memory measurement by it (pytorch/pytorch#115255).
+    import gc
+    import weakref
+
+    lin = torch.nn.Linear(64, 64)
+    x = torch.randn(8, 64)
+    kept = []
+
+    def forward():
+        h = lin(x).relu()
+        kept.append(weakref.ref(h))
+        h.sum()  # the loss is dropped at once: nothing outside holds the graph
+
+    assert timing.saved_activation_bytes(forward) > 0
+    gc.collect()
+    assert kept[0]() is None, "the graph saved for backward outlived the count"

@@ -354,7 +354,7 @@ def peak_saved_bytes(fn: Callable[[], object]) -> int:
         if live["count"][key] == 1:
             live["bytes"] += key[1]
             live["peak"] = max(live["peak"], live["bytes"])
-        return _Held(t, key, live)
+        return _Held(t.detach(), key, live)  # not `t`: see course_lib.timing.saved_tensor_bytes
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.tensor):
         fn()
