@@ -70,6 +70,14 @@ WRONG_ADD = "def add(a, b):\n    return a - b"
 IMPORT = "from course_lib.tooling import check"
 
 
+def grader_env(course: Path, home: Path) -> dict[str, str]:
+    """The grader's environment: the course copy first on the path, then whatever else $PYTHONPATH
+    holds (on the GPU machine the carried wheels live there), but never this checkout."""
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
+    return {**os.environ, "HOME": str(home), "PYTHONPATH": os.pathsep.join([str(course), *kept]),
+            **fixture_checks(course)}
+
+
 def fixture_checks(course: Path) -> dict[str, str]:
     """Chapter 99's checks for the grader, and its probes, which are all a sandbox sees of it."""
     fixtures = course / "tests" / "fixtures"
@@ -79,8 +87,7 @@ def fixture_checks(course: Path) -> dict[str, str]:
 
 def grade(course: Path, submissions: Path, out: Path, home: Path, *extra: str,
           timeout: float = 600, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(course),
-           **fixture_checks(course), **(env_extra or {})}
+    env = {**grader_env(course, home), **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "course_lib.tooling.grader", str(submissions), "--out", str(out),
                            "--cell-timeout", "15", "--total-timeout", "180", "--jobs", "2", *extra],
                           cwd=course, env=env, capture_output=True, text=True, timeout=timeout)
@@ -502,7 +509,7 @@ def test_a_rerun_resumes_and_a_killed_grader_loses_only_the_submission_in_flight
                            "b_slow": [IMPORT, GOOD_ADD, "import time\ntime.sleep(60)", GOOD_CLIP]}.items():
         (subs / student).mkdir(parents=True)
         (subs / student / "99_fixture.ipynb").write_text(notebook(cells))
-    env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(course), **fixture_checks(course)}
+    env = grader_env(course, home)
     proc = subprocess.Popen([sys.executable, "-m", "course_lib.tooling.grader", str(subs), "--out", str(out),
                              "--jobs", "2", "--cell-timeout", "120"], cwd=course, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
