@@ -99,8 +99,9 @@ def test_a_cuda_step_row_is_timed_with_cudnn_autotuning_on_and_restores_the_flag
     monkeypatch.setattr(bench, "Trainer", FakeTrainer)
     monkeypatch.setattr(bench, "peak_memory_bytes", lambda step, device: step() or 0)
     monkeypatch.setattr(bench, "time_fn", lambda step, **k: (step(), bench.Timing([1.0]))[1])
-    for device, expected in (("cuda", True), ("cpu", False)):
+    # autotune=False (the largest-batch probe, which times nothing): cuDNN's heuristics, even on CUDA
+    for device, autotune, expected in (("cuda", True, True), ("cpu", True, False), ("cuda", False, False)):
         seen.clear()
         before = torch.backends.cudnn.benchmark
-        bench.step_row("simplecnn", "fp32", torch.device(device), batch=2, steps=1)
+        bench.step_row("simplecnn", "fp32", torch.device(device), batch=2, steps=1, autotune=autotune)
         assert seen["benchmark"] is expected and torch.backends.cudnn.benchmark == before

@@ -146,8 +146,8 @@ def test_resnet50_cli_probes_the_largest_batch_in_the_devices_mixed_precision(mo
 def test_largest_batch_doubles_until_out_of_memory_with_one_untimed_step_per_probe(monkeypatch):
     asked = []
 
-    def step_row(model, precision, device, *, batch, steps, warmup=3, channels_last=False):
-        asked.append((batch, steps, warmup))
+    def step_row(model, precision, device, *, batch, steps, warmup=3, channels_last=False, autotune=True):
+        asked.append((batch, steps, warmup, autotune))
         if batch > 256:
             raise ladder.torch.cuda.OutOfMemoryError("CUDA out of memory")
         return {}
@@ -155,7 +155,8 @@ def test_largest_batch_doubles_until_out_of_memory_with_one_untimed_step_per_pro
     monkeypatch.setattr(ladder, "step_row", step_row)
     found = ladder.largest_batch("fp16")
     assert found["largest_batch"] == 256 and found["note"] == ""
-    assert asked == [(64, 1, 0), (128, 1, 0), (256, 1, 0), (512, 1, 0)]  # no warm-up: a probe times nothing
+    # no warm-up and no cuDNN autotuning (a minute per new size in strict FP32): a probe times nothing
+    assert asked == [(64, 1, 0, False), (128, 1, 0, False), (256, 1, 0, False), (512, 1, 0, False)]
 
 
 def test_each_rung_is_the_one_before_it_with_one_change():

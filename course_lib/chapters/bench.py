@@ -99,9 +99,11 @@ def _rows_spec(dev: torch.device, model: str) -> list[tuple[str, str, bool, bool
 
 
 def step_row(model: str, precision: str, device: torch.device, *, batch: int, steps: int, allow_tf32: bool = False,
-             channels_last: bool = False, shape: tuple[int, ...] | None = None, warmup: int = 3) -> dict:
+             channels_last: bool = False, shape: tuple[int, ...] | None = None, warmup: int = 3,
+             autotune: bool = True) -> dict:
     """Time one training step of the course's loop (Trainer.train_step) on a synthetic on-device
-    batch: median and quartiles of `steps` steps after `warmup` steps, samples/s, peak memory (CUDA)."""
+    batch: median and quartiles of `steps` steps after `warmup` steps, samples/s, peak memory (CUDA).
+    `autotune=False` leaves cuDNN on its heuristics (for memory probes, where timing does not count)."""
     default_shape, kwargs, num_classes = WORKLOADS[model]
     (x, y), = synthetic_batches(1, batch, shape=shape or default_shape, num_classes=num_classes, device=device,
                                 seed=0)
@@ -113,7 +115,8 @@ def step_row(model: str, precision: str, device: torch.device, *, batch: int, st
     step = functools.partial(trainer.train_step, [(x, y)])
     # cuDNN autotuning: the first step at a new shape tries each convolution algorithm and keeps the
     # fastest (warm-up covers it). Fixed shapes, as here, are where it pays; restored afterwards.
-    benchmark, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, torch.device(device).type == "cuda"
+    benchmark, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, \
+        autotune and torch.device(device).type == "cuda"
     try:
         with tf32(allow_tf32):
             timing = time_fn(step, warmup=warmup, iters=steps, device=device)

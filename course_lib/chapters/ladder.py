@@ -185,7 +185,9 @@ def resnet50_ladder(device: str = "auto", batch: int | None = None, steps: int |
 def largest_batch(precision: str = "bf16", channels_last: bool = True, device: str = "auto",
                   start: int = 64, limit: int = 4096) -> dict:
     """Chapter 09: the largest ResNet-50 batch (224 px) that trains in GPU memory: doubling from
-    `start` until CUDA runs out of memory, which is caught and released. CPU: not measured."""
+    `start` until CUDA runs out of memory, which is caught and released. CPU: not measured.
+    cuDNN autotuning is off: it would try every algorithm at each new size, over a minute per size
+    in strict FP32 on an H200, to time steps that are not timed here."""
     dev = pick_device(device)
     if dev.type != "cuda":
         return {"precision": precision, "largest_batch": None, "note": "measured on a GPU only"}
@@ -193,7 +195,8 @@ def largest_batch(precision: str = "bf16", channels_last: bool = True, device: s
     while batch <= limit:
         try:
             # does it train? One step and the peak-memory step: no warm-up, nothing to time
-            step_row("resnet50", precision, dev, batch=batch, steps=1, warmup=0, channels_last=channels_last)
+            step_row("resnet50", precision, dev, batch=batch, steps=1, warmup=0, channels_last=channels_last,
+                     autotune=False)
             fits, batch = batch, batch * 2
         except torch.cuda.OutOfMemoryError:
             break
