@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import textwrap
 from pathlib import Path
 from typing import Callable
 
@@ -61,12 +62,15 @@ def load_references(pattern: str = "*.json") -> list[dict]:
 
 def show_reference(pattern: str, describe: Callable[[dict], str]) -> list[dict]:
     """Chapter 00: print every recorded result matching `pattern` in full, with its provenance,
-    formatted by `describe(record)`. If there is none, print one short line: the chapter itself
-    says, once, what the GPU run would show and how to record it."""
+    formatted by `describe(record)`, and its erratum, if a later finding withdrew some of its values.
+    If there is none, print one short line: the chapter itself says, once, what the GPU run would
+    show and how to record it."""
     refs = load_references(pattern)
     for ref in refs:
         prov = ref["provenance"]
         print(f"recorded on {_headline(prov)}  ({ref['file']})\n  command: {prov['command']}")
+        if ref.get("erratum"):  # a measurement found wrong later: its values are null, and this says why
+            print(textwrap.fill(f"erratum: {ref['erratum']}", 100, initial_indent="  ", subsequent_indent="    "))
         print(describe(ref))
     if not refs:
         print(f"No GPU reference recorded yet (data/reference/{pattern}).")

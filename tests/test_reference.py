@@ -32,6 +32,25 @@ def test_show_reference_prints_each_record_with_where_it_was_measured(tmp_path, 
     assert "command: python -m course_lib.chapters.bench" in text
 
 
+def test_a_withdrawn_measurement_is_shown_with_its_erratum_before_the_table(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(reference, "REFERENCE_DIR", tmp_path)
+    prov = {"device": "GPU", "torch": "2.9.0", "cuda": "12.8", "date": "2026-01-01", "command": "python -m x"}
+    why = "The peak column is withdrawn: measured with a graph left alive. " * 3
+    (tmp_path / "acc_gpu.json").write_text(json.dumps({"provenance": prov, "erratum": why, "rows": [None]}))
+    reference.show_reference("acc_*.json", lambda r: "TABLE")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].startswith("  erratum: The peak column is withdrawn") and lines[-1] == "TABLE"
+    assert len(lines) > 4 and all(len(line) <= 100 for line in lines)  # wrapped, not one long line
+
+
+def test_every_erratum_in_data_reference_goes_with_values_set_to_null():
+    # an erratum withdraws values; it never replaces them with typed-in ones
+    for ref in reference.load_references():
+        if "erratum" in ref:
+            assert "withdrawn" in ref["erratum"] and "null" in json.dumps({k: v for k, v in ref.items()
+                                                                          if k not in ("provenance", "erratum")})
+
+
 def test_show_reference_without_a_record_prints_at_most_one_short_line(tmp_path, monkeypatch, capsys):
     """Without a GPU the chapter says once how to record a reference; each cell adds one line at most."""
     monkeypatch.setattr(reference, "REFERENCE_DIR", tmp_path)
