@@ -124,3 +124,22 @@ def test_every_probe_module_imports_without_the_checks(seen):
     probes = seen["report"]["probes"]
     expected = {p.stem for p in (ROOT / "course_lib" / "tooling" / "probes").glob("ch*.py")}
     assert set(probes) == expected and all(v == "ok" for v in probes.values()), probes
+
+
+def test_the_loopback_is_up_without_iproute2(tmp_path):
+    # Bare GPU images have no `ip`: there the sandbox came up with its loopback down, and a submission
+    # whose two processes talk over 127.0.0.1 failed. Here a broken `ip` stands in for the missing one.
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ip").write_text("#!/bin/sh\nexit 1\n")
+    (fake / "ip").chmod(0o755)
+    box, library = tmp_path / "box", sandbox.learner_library(tmp_path)
+    box.mkdir()
+    env = {**sandbox.environment(box, "lo", {}, library), **sandbox.namespace_env(box, library, [tmp_path])}
+    env["PATH"] = f"{fake}:{env['PATH']}"
+    talk = ("import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
+            "c = socket.create_connection(s.getsockname(), timeout=5); a, _ = s.accept(); c.sendall(b'ok'); "
+            "print(a.recv(2).decode())")
+    done = subprocess.run(sandbox.command("namespaces", [sys.executable, "-c", talk]), env=env, cwd=box,
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, "ok"), done.stderr

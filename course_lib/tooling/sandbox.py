@@ -44,7 +44,12 @@ NOT_FOR_LEARNERS = ("tooling/checks", "tooling/grader.py", "tooling/sandbox.py",
 # unix sockets in it). Then pivot_root into it, detach the old root, and run the command with
 # every capability dropped: nothing inside can mount, remount or reach the old root again.
 _NS_SCRIPT = r"""set -e
-if command -v ip >/dev/null; then ip link set lo up; fi
+# The loopback up (two DDP ranks of one submission talk over it), by the ioctl that `ip link set lo
+# up` makes: bare GPU images have no iproute2, and a sandbox there had no loopback at all.
+"$AMP_PYTHON" -c 'import fcntl, socket, struct
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+flags = struct.unpack("16sH22x", fcntl.ioctl(s, 0x8913, struct.pack("16sH22x", b"lo", 0)))[1]  # SIOCGIFFLAGS
+fcntl.ioctl(s, 0x8914, struct.pack("16sH22x", b"lo", flags | 1))'  # SIOCSIFFLAGS, IFF_UP
 new="$AMP_NEW_ROOT"
 mount -t tmpfs -o mode=755,size=64m tmpfs "$new"
 mkdir -p "$new/proc" "$new/dev/shm" "$new/tmp" "$new/sys"
@@ -180,7 +185,8 @@ def namespace_env(box: Path, library: Path, hidden: list[Path]) -> dict[str, str
     devices = " ".join(d for d in sorted(os.listdir("/dev")) if d.startswith("nvidia")) if os.path.isdir("/dev") \
         else ""
     return {"AMP_NEW_ROOT": str(box / ".root"), "AMP_SANDBOX_DIR": str(box), "AMP_WORKDIR": str(box / "work"),
-            "AMP_READ_ONLY": "\n".join(visible_paths(library, hidden)), "AMP_DEVICES": devices}
+            "AMP_READ_ONLY": "\n".join(visible_paths(library, hidden)), "AMP_DEVICES": devices,
+            "AMP_PYTHON": sys.executable}
 
 
 def environment(sandbox: Path, token: str, extra: dict[str, str], library: Path) -> dict[str, str]:
