@@ -59,6 +59,7 @@ lab: $(STAMP)
 test: $(STAMP)
 	$(VPY) -m course_lib.device
 	$(VPY) -m ruff check .
+	$(VPY) -m ruff format --check course_lib
 	$(VPY) -m pytest $(SUITE) $(NBVAL)
 
 # GPU tier (docs/gpu.md): no venv, no network; cells tagged `gpu` must run.

@@ -8,6 +8,7 @@ emulated and slower than fp32.
 
     python -m course_lib.device      # prints the hardware report
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,9 +21,20 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["PrecisionError", "Recommendation", "pick_device", "tensor_core_generation", "cpu_bf16_flags",
-           "has_native_bf16", "recommend_precision", "hardware_report", "gpu_cell", "tf32",
-           "peak_tflops", "PEAK_TFLOPS"]
+__all__ = [
+    "PrecisionError",
+    "Recommendation",
+    "pick_device",
+    "tensor_core_generation",
+    "cpu_bf16_flags",
+    "has_native_bf16",
+    "recommend_precision",
+    "hardware_report",
+    "gpu_cell",
+    "tf32",
+    "peak_tflops",
+    "PEAK_TFLOPS",
+]
 
 # Tensor Core generations by compute capability (major, minor). Before Volta there are none.
 _TENSOR_CORES = [
@@ -62,10 +74,17 @@ PEAK_TFLOPS: dict[str, dict[str, float | None]] = {
 # How torch.cuda.get_device_name() spells them. Order matters: the first match wins, and a
 # name we do not recognise (A10G, RTX cards ...) gets None, never a guess.
 _GPU_PATTERNS = [
-    ("H200 NVL", r"H200.*NVL"), ("H200", r"H200"), ("H100 NVL", r"H100.*NVL"), ("H100 PCIe", r"H100.*PCIe"),
+    ("H200 NVL", r"H200.*NVL"),
+    ("H200", r"H200"),
+    ("H100 NVL", r"H100.*NVL"),
+    ("H100 PCIe", r"H100.*PCIe"),
     ("H100 SXM", r"H100.*(HBM3|SXM)"),
-    ("A100", r"A100"), ("A10", r"\bA10$"), ("L4", r"\bL4$"), ("T4", r"\bT4$"),
-    ("V100 SXM2", r"V100.*SXM2"), ("V100 PCIe", r"V100.*PCIE"),
+    ("A100", r"A100"),
+    ("A10", r"\bA10$"),
+    ("L4", r"\bL4$"),
+    ("T4", r"\bT4$"),
+    ("V100 SXM2", r"V100.*SXM2"),
+    ("V100 PCIe", r"V100.*PCIE"),
 ]
 
 
@@ -76,8 +95,9 @@ class PrecisionError(ValueError):
 @dataclass(frozen=True)
 class Recommendation:
     """Chapter 00: the precision policy for one device, with the reason in words."""
-    precision: str          # "bf16" | "fp16" | "fp32"
-    use_grad_scaler: bool   # True exactly for fp16: only fp16 needs loss scaling
+
+    precision: str  # "bf16" | "fp16" | "fp32"
+    use_grad_scaler: bool  # True exactly for fp16: only fp16 needs loss scaling
     reason: str
     warning: str = ""
 
@@ -147,8 +167,9 @@ def has_native_bf16(device: torch.device | str | None = None, capability: tuple[
     return dev.type == "mps"  # Apple GPUs on macOS 14+ support bf16 in MPS
 
 
-def recommend_precision(device: torch.device | str | None = None,
-                        capability: tuple[int, int] | None = None) -> Recommendation:
+def recommend_precision(
+    device: torch.device | str | None = None, capability: tuple[int, int] | None = None
+) -> Recommendation:
     """Chapter 00: the course's precision policy, the one rule behind precision="auto".
 
     - CUDA, capability >= 8.0 (A100, L4, H100, RTX 30xx/40xx): bf16 autocast, no GradScaler.
@@ -162,23 +183,42 @@ def recommend_precision(device: torch.device | str | None = None,
         if dev.type == "cpu":
             flags = cpu_bf16_flags()
             if flags:
-                return Recommendation("bf16", False, f"this CPU computes bf16 natively ({', '.join(flags)}); "
-                                                     "bf16 keeps fp32's range, so no scaler",
-                                      "small models can still be faster in fp32 on a CPU: measure")
-            return Recommendation("fp32", False, "this CPU has no AMX-BF16/AVX512-BF16: bf16 autocast would be "
-                                                 "converted in software and slower than fp32")
+                return Recommendation(
+                    "bf16",
+                    False,
+                    f"this CPU computes bf16 natively ({', '.join(flags)}); bf16 keeps fp32's range, so no scaler",
+                    "small models can still be faster in fp32 on a CPU: measure",
+                )
+            return Recommendation(
+                "fp32",
+                False,
+                "this CPU has no AMX-BF16/AVX512-BF16: bf16 autocast would be "
+                "converted in software and slower than fp32",
+            )
         if dev.type == "mps":
-            return Recommendation("fp16", True, "Apple GPUs run fp16 fast; fp16 needs loss scaling",
-                                  "the course is tested on CUDA and CPU, not on MPS")
+            return Recommendation(
+                "fp16",
+                True,
+                "Apple GPUs run fp16 fast; fp16 needs loss scaling",
+                "the course is tested on CUDA and CPU, not on MPS",
+            )
         capability = cuda_capability(dev)
     cc = tuple(capability)  # type: ignore[arg-type]
     if cc >= (8, 0):
         return Recommendation("bf16", False, f"sm_{cc[0]}{cc[1]} has native bf16 Tensor Cores; bf16 has fp32's range")
     if cc >= (7, 0):
-        return Recommendation("fp16", True, f"sm_{cc[0]}{cc[1]} has fp16 Tensor Cores but no native bf16 "
-                                            "(bf16 would be emulated and slow); fp16 needs loss scaling")
-    return Recommendation("fp32", False, f"sm_{cc[0]}{cc[1]} has no Tensor Cores: fp16 gains little there "
-                                         "(P100 runs it at 2x fp32, other Pascal cards at 1/64)")
+        return Recommendation(
+            "fp16",
+            True,
+            f"sm_{cc[0]}{cc[1]} has fp16 Tensor Cores but no native bf16 "
+            "(bf16 would be emulated and slow); fp16 needs loss scaling",
+        )
+    return Recommendation(
+        "fp32",
+        False,
+        f"sm_{cc[0]}{cc[1]} has no Tensor Cores: fp16 gains little there "
+        "(P100 runs it at 2x fp32, other Pascal cards at 1/64)",
+    )
 
 
 def check_precision(precision: str, device: torch.device | str) -> None:
@@ -191,7 +231,8 @@ def check_precision(precision: str, device: torch.device | str) -> None:
         raise PrecisionError(
             f"bf16 was requested on {torch.cuda.get_device_name(dev)} (sm_{cc[0]}{cc[1]}), which has no native "
             "bf16: it would be emulated and slower than fp32. Use precision='fp16' (with GradScaler) or "
-            "precision='auto'.")
+            "precision='auto'."
+        )
 
 
 def hardware_report(device: torch.device | str | None = None) -> str:
@@ -239,6 +280,7 @@ def gpu_cell(what: str, instead: str = "the next cell shows the result recorded 
 
 
 # --------------------------------------------------------------------------- peaks and TF32
+
 
 def peak_tflops(name: str, dtype: str) -> float | None:
     """Chapter 01: datasheet dense peak of GPU `name` for 'fp32', 'tf32', 'fp16' or 'bf16'.

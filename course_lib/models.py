@@ -2,6 +2,7 @@
 
 Chapter 00 introduces SimpleCNN and MLP; the ResNets and the small GPT appear in chapter 09.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,9 +64,11 @@ def _torchvision_models():
     try:
         import torchvision.models as tvm
     except (ImportError, RuntimeError, OSError) as e:
-        raise RuntimeError(f"this model needs a working torchvision ({type(e).__name__}: {e}). "
-                           "Install a torchvision that matches your torch (pip install -U torch torchvision), "
-                           "or use SimpleCNN / MLP.") from e
+        raise RuntimeError(
+            f"this model needs a working torchvision ({type(e).__name__}: {e}). "
+            "Install a torchvision that matches your torch (pip install -U torch torchvision), "
+            "or use SimpleCNN / MLP."
+        ) from e
     return tvm
 
 
@@ -88,15 +91,17 @@ def resnet50(num_classes: int = 1000) -> nn.Module:
 
 # ----------------------------------------------------------------------------- a small GPT
 
+
 @dataclass
 class GPTConfig:
     """The shape of a GPT. The defaults are GPT-2 small (124M parameters)."""
+
     vocab_size: int = 50304  # GPT-2's 50257 tokens padded to a multiple of 64: matmuls tile evenly
-    block_size: int = 1024   # the longest sequence
+    block_size: int = 1024  # the longest sequence
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
-    sdpa: bool = True        # F.scaled_dot_product_attention (fused kernels) or the explicit softmax(QK^T)V
+    sdpa: bool = True  # F.scaled_dot_product_attention (fused kernels) or the explicit softmax(QK^T)V
 
 
 class _Attention(nn.Module):

@@ -9,6 +9,7 @@ it (docs/gpu.md lists every command); each cell that would show a file then prin
 
     show_reference("bench_*.json", lambda ref: format_table(ref["rows"]))
 """
+
 from __future__ import annotations
 
 import datetime
@@ -31,11 +32,20 @@ REFERENCE_DIR = DATA_DIR / "reference"
 def provenance(command: str) -> dict:
     """Where and how a number was measured; stored with every reference result."""
     dev = pick_device()
-    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else \
-        f"{dev.type}: {platform.processor() or platform.machine()}"
-    return {"device": where, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
-            "date": datetime.date.today().isoformat(), "command": command}
+    where = (
+        torch.cuda.get_device_name(dev)
+        if dev.type == "cuda"
+        else f"{dev.type}: {platform.processor() or platform.machine()}"
+    )
+    return {
+        "device": where,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+        "command": command,
+    }
 
 
 def _headline(prov: dict) -> str:

@@ -10,6 +10,7 @@ The rules every measurement here follows:
     t = time_fn(lambda: model(x), warmup=3, iters=10)   # Timing: median, quartiles, n
     saved_activation_bytes(lambda: loss_fn(model(x), y)) # what autocast shrinks
 """
+
 from __future__ import annotations
 
 import gc
@@ -37,6 +38,7 @@ def synchronize(device: torch.device) -> None:
 @dataclass
 class Timing:
     """Several timed runs of one function, in milliseconds, with their spread."""
+
     times_ms: list[float]
 
     @property
@@ -62,8 +64,9 @@ class Timing:
         return f"median {self.median_ms:.3f} ms (middle half {lo:.3f}-{hi:.3f}, n={len(self.times_ms)})"
 
 
-def time_fn(fn: Callable[[], object], *, warmup: int = 3, iters: int = 10,
-            device: torch.device | str | None = None) -> Timing:
+def time_fn(
+    fn: Callable[[], object], *, warmup: int = 3, iters: int = 10, device: torch.device | str | None = None
+) -> Timing:
     """Chapters 01, 02: time `fn` properly: warm-up, synchronised clocks, `iters` samples.
 
     On CUDA each sample is bracketed by CUDA events (GPU time, no host jitter); elsewhere by
@@ -103,11 +106,18 @@ def compare(timings: dict[str, Timing], base: str, width: int = 100) -> str:
         lo, hi = t.quartiles_ms
         ratio = t.median_ms / ref.median_ms
         speed = f"{1 / ratio:.2f}x faster" if ratio < 1 else f"{ratio:.2f}x slower"
-        verdict = ("the middle halves overlap: the difference is within the spread, so this run cannot tell them "
-                   "apart" if lo <= hi0 and lo0 <= hi else "the middle halves do not overlap: the difference is "
-                   "larger than the spread")
-        out.append(textwrap.fill(f"{name}: median {t.median_ms:.1f} ms against {ref.median_ms:.1f} ms for {base}, "
-                                 f"{speed}; {verdict}.", width, subsequent_indent="    "))
+        verdict = (
+            "the middle halves overlap: the difference is within the spread, so this run cannot tell them apart"
+            if lo <= hi0 and lo0 <= hi
+            else "the middle halves do not overlap: the difference is larger than the spread"
+        )
+        out.append(
+            textwrap.fill(
+                f"{name}: median {t.median_ms:.1f} ms against {ref.median_ms:.1f} ms for {base}, {speed}; {verdict}.",
+                width,
+                subsequent_indent="    ",
+            )
+        )
     return "\n".join(out)
 
 

@@ -16,6 +16,7 @@ order matters, see chapter 03):
 With precision="fp32" or "bf16" the scaler is built with enabled=False and every scaler call
 passes straight through, so the same code runs all three precisions.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,17 +43,24 @@ AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 @dataclass
 class StepResult:
     """Chapter 04: what one amp_step leaves on the device; nothing here has been read back yet."""
-    loss: torch.Tensor                 # the step's mean loss (fp32, detached)
-    grad_norm: torch.Tensor | None     # pre-clip norm of the unscaled gradients, when clipping
-    scale: torch.Tensor | float        # the scale after update(); 1.0 without a scaler
-    skipped: torch.Tensor | bool       # the optimizer step was skipped (inf/NaN); False without a scaler
+
+    loss: torch.Tensor  # the step's mean loss (fp32, detached)
+    grad_norm: torch.Tensor | None  # pre-clip norm of the unscaled gradients, when clipping
+    scale: torch.Tensor | float  # the scale after update(); 1.0 without a scaler
+    skipped: torch.Tensor | bool  # the optimizer step was skipped (inf/NaN); False without a scaler
 
 
-def amp_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-             micro_batches: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype | None, *,
-             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
-             forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-             clip_grad_norm: float | None = None) -> StepResult:
+def amp_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    dtype: torch.dtype | None,
+    *,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    clip_grad_norm: float | None = None,
+) -> StepResult:
     """Chapter 04: the course's AMP step, one optimizer step over `micro_batches` (on the device).
 
     `dtype` None runs fp32 (autocast off); a disabled scaler passes every call through. `forward(x, y)`
@@ -70,8 +78,8 @@ def amp_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.a
         # DDP all-reduces gradients during backward; skip that on all but the last micro-batch.
         with model.no_sync() if is_ddp and i < len(micro_batches) - 1 else contextlib.nullcontext():
             with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-                loss = forward(x, y)                        # forward and loss only ...
-            scaler.scale(loss * share).backward()           # ... backward outside autocast
+                loss = forward(x, y)  # forward and loss only ...
+            scaler.scale(loss * share).backward()  # ... backward outside autocast
         total += loss.detach().float() * share
     grad_norm = None
     if clip_grad_norm is not None:
@@ -80,8 +88,8 @@ def amp_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.a
     # GradScaler keeps its scale in a tensor on the device (`_scale`); get_scale() would copy it
     # to the host, a sync per call (chapter 06). Compare on the device; read back later.
     before = scaler._scale.clone() if scaler.is_enabled() else 1.0
-    scaler.step(optimizer)   # skips optimizer.step() if any gradient is inf/NaN
-    scaler.update()          # once per optimizer step: back off or (maybe) grow
+    scaler.step(optimizer)  # skips optimizer.step() if any gradient is inf/NaN
+    scaler.update()  # once per optimizer step: back off or (maybe) grow
     after = scaler._scale.clone() if scaler.is_enabled() else 1.0
     # update() only lowers the scale after an overflow, and an overflow is exactly a skipped step.
     return StepResult(total, grad_norm, after, after < before)
@@ -90,17 +98,18 @@ def amp_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.a
 @dataclass
 class TrainConfig:
     """Chapter 00: everything the loop can be told, in one visible place."""
-    precision: str = "auto"          # "fp32" | "bf16" | "fp16" | "auto" (course_lib.device.recommend_precision)
-    device: str = "auto"             # "auto" | "cuda" | "cpu" | "mps" | "cuda:1" ...
+
+    precision: str = "auto"  # "fp32" | "bf16" | "fp16" | "auto" (course_lib.device.recommend_precision)
+    device: str = "auto"  # "auto" | "cuda" | "cpu" | "mps" | "cuda:1" ...
     epochs: int = 1
-    max_steps: int | None = None     # stop after this many optimizer steps (skipped ones count)
-    accum_steps: int = 1             # micro-batches per optimizer step (chapter 04)
+    max_steps: int | None = None  # stop after this many optimizer steps (skipped ones count)
+    accum_steps: int = 1  # micro-batches per optimizer step (chapter 04)
     clip_grad_norm: float | None = None
-    init_scale: float = 2.0 ** 16    # GradScaler defaults, exposed for chapter 03
+    init_scale: float = 2.0**16  # GradScaler defaults, exposed for chapter 03
     growth_interval: int = 2000
-    channels_last: bool = False      # NHWC memory format for conv nets (chapter 09)
-    log_every: int = 10              # read losses back from the device every N steps, not every step
-    progress: bool = True            # tqdm progress bar
+    channels_last: bool = False  # NHWC memory format for conv nets (chapter 09)
+    log_every: int = 10  # read losses back from the device every N steps, not every step
+    progress: bool = True  # tqdm progress bar
     checkpoint_path: str | None = None
     checkpoint_every: int | None = None  # optimizer steps between checkpoints (and one at the end)
 
@@ -108,15 +117,16 @@ class TrainConfig:
 @dataclass
 class History:
     """Chapter 00: what happened at each optimizer step, ready to plot."""
+
     precision: str = ""
     device: str = ""
     step: list[int] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
-    scale: list[float] = field(default_factory=list)     # loss scale after update (1.0 without a scaler)
-    skipped: list[bool] = field(default_factory=list)    # optimizer step skipped because of inf/NaN
-    lr: list[float] = field(default_factory=list)        # learning rate used by this step
-    grad_norm: list[float] = field(default_factory=list) # pre-clip norm of unscaled grads (when clipping)
-    eval: list[dict] = field(default_factory=list)       # {"epoch", "step", "loss", "accuracy"}
+    scale: list[float] = field(default_factory=list)  # loss scale after update (1.0 without a scaler)
+    skipped: list[bool] = field(default_factory=list)  # optimizer step skipped because of inf/NaN
+    lr: list[float] = field(default_factory=list)  # learning rate used by this step
+    grad_norm: list[float] = field(default_factory=list)  # pre-clip norm of unscaled grads (when clipping)
+    eval: list[dict] = field(default_factory=list)  # {"epoch", "step", "loss", "accuracy"}
     seconds: float = 0.0
 
     @property
@@ -126,9 +136,11 @@ class History:
     def summary(self) -> str:
         last = f"{self.loss[-1]:.4f}" if self.loss else "n/a"
         acc = f", eval accuracy {self.eval[-1]['accuracy']:.3f}" if self.eval else ""
-        return (f"{self.precision} on {self.device}: {len(self.step)} steps in {self.seconds:.1f} s, "
-                f"last loss {last}{acc}, skipped {self.skipped_steps}, "
-                f"scale {f'{self.scale[-1]:g}' if self.scale else 'n/a'}")  # under 100 characters
+        return (
+            f"{self.precision} on {self.device}: {len(self.step)} steps in {self.seconds:.1f} s, "
+            f"last loss {last}{acc}, skipped {self.skipped_steps}, "
+            f"scale {f'{self.scale[-1]:g}' if self.scale else 'n/a'}"
+        )  # under 100 characters
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -142,9 +154,14 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 class Trainer:
     """Chapter 00: model + optimizer + scaler + scheduler, stepped by one loop for every precision."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig | None = None,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        cfg: TrainConfig | None = None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+    ):
         self.cfg = cfg or TrainConfig()
         self.device = pick_device(self.cfg.device)
         self.precision = resolve_precision(self.cfg.precision, self.device)
@@ -153,11 +170,14 @@ class Trainer:
         self.model = model.to(self.device, memory_format=fmt)
         self.optimizer, self.scheduler, self.loss_fn = optimizer, scheduler, loss_fn
         # Only fp16 needs loss scaling: bf16 has fp32's exponent range (chapter 01).
-        self.scaler = torch.amp.GradScaler(self.device.type, init_scale=self.cfg.init_scale,
-                                           growth_interval=self.cfg.growth_interval,
-                                           enabled=self.precision == "fp16")
-        self.step_count = 0      # optimizer steps attempted so far (skipped ones included)
-        self.epoch = 0           # current epoch
+        self.scaler = torch.amp.GradScaler(
+            self.device.type,
+            init_scale=self.cfg.init_scale,
+            growth_interval=self.cfg.growth_interval,
+            enabled=self.precision == "fp16",
+        )
+        self.step_count = 0  # optimizer steps attempted so far (skipped ones included)
+        self.epoch = 0  # current epoch
         self.batch_in_epoch = 0  # micro-batches of the current epoch already consumed (for resume)
         self._history = History(precision=self.precision, device=str(self.device))
         # (loss, grad_norm, scale, skipped) of steps not yet read back: tensors on the device
@@ -186,8 +206,10 @@ class Trainer:
         """
         self.model.train()
         lr = self.optimizer.param_groups[0]["lr"]
-        r = amp_step(self.model, self.optimizer, self.scaler, [self._to_device(x, y) for x, y in micro_batches],
-                     self.amp_dtype, loss_fn=self.loss_fn, clip_grad_norm=self.cfg.clip_grad_norm)
+        batches, clip = [self._to_device(x, y) for x, y in micro_batches], self.cfg.clip_grad_norm
+        r = amp_step(
+            self.model, self.optimizer, self.scaler, batches, self.amp_dtype, loss_fn=self.loss_fn, clip_grad_norm=clip
+        )
         skipped = r.skipped
         if self.scheduler is not None and not bool(skipped):  # with fp16, the one sync this step adds
             self.scheduler.step()  # a skipped step must not advance the schedule (pytorch#44511)
@@ -225,8 +247,8 @@ class Trainer:
                 loss_sum += self.loss_fn(out, y).float() * len(y)
             correct += (out.argmax(1) == y).sum()
             count += len(y)
-        return {"epoch": self.epoch, "step": self.step_count,
-                "loss": (loss_sum / count).item(), "accuracy": (correct / count).item()}
+        loss, accuracy = (loss_sum / count).item(), (correct / count).item()
+        return {"epoch": self.epoch, "step": self.step_count, "loss": loss, "accuracy": accuracy}
 
     def fit(self, loader: torch.utils.data.DataLoader, eval_loader: Iterable | None = None) -> History:
         """Chapter 00: train for cfg.epochs (or cfg.max_steps) and return the History.
@@ -238,8 +260,9 @@ class Trainer:
         cfg, accum = self.cfg, max(1, self.cfg.accum_steps)
         per_epoch = len(loader) // accum
         total = min(cfg.max_steps or 10**12, cfg.epochs * per_epoch)
-        bar = tqdm(total=total, initial=self.step_count, disable=not cfg.progress,
-                   desc=f"train {self.precision}", unit="step")
+        bar = tqdm(
+            total=total, initial=self.step_count, disable=not cfg.progress, desc=f"train {self.precision}", unit="step"
+        )
         t0 = time.perf_counter()
         while self.epoch < cfg.epochs and self.step_count < total:
             if hasattr(loader.sampler, "set_epoch"):
@@ -272,13 +295,19 @@ class Trainer:
     def state_dict(self) -> dict:
         self._flush()
         return {
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),  # {} when disabled (fp32/bf16)
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "step_count": self.step_count, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-            "history": asdict(self.history), "precision": self.precision,
-            "rng": {"cpu": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+            "step_count": self.step_count,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "history": asdict(self.history),
+            "precision": self.precision,
+            "rng": {
+                "cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            },
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -310,9 +339,14 @@ class Trainer:
         self.load_state_dict(torch.load(path, map_location=self.device, weights_only=False))
 
 
-def train(model: nn.Module, loader: torch.utils.data.DataLoader, cfg: TrainConfig | None = None,
-          optimizer: torch.optim.Optimizer | None = None, eval_loader: Iterable | None = None,
-          lr: float = 1e-3) -> tuple[Trainer, History]:
+def train(
+    model: nn.Module,
+    loader: torch.utils.data.DataLoader,
+    cfg: TrainConfig | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    eval_loader: Iterable | None = None,
+    lr: float = 1e-3,
+) -> tuple[Trainer, History]:
     """Chapter 00: the one-call version: AdamW(lr) unless an optimizer is given."""
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr)
     trainer = Trainer(model, optimizer, cfg)

@@ -10,6 +10,7 @@ optimizer step happens inside the region, goes stale (`after_step_in_region`).
     memory_comparison(model, x, y)   # saved-for-backward bytes (any device), peak memory (CUDA)
     python -m course_lib.chapters.autocast_dtypes --json data/reference/autocast_memory_<gpu>.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,31 +32,49 @@ from ..reference import record
 from ..timing import peak_memory_bytes, saved_tensor_bytes
 from .autocast_policy import LOW_PRECISION, short
 
-__all__ = ["dtype_report", "module_dtypes", "format_module_dtypes", "memory_comparison", "mlp_memory_rows",
-           "format_memory_rows", "read_memory_rows", "REGION_LAYOUTS", "after_step_in_region", "losses_by_layout"]
+__all__ = [
+    "dtype_report",
+    "module_dtypes",
+    "format_module_dtypes",
+    "memory_comparison",
+    "mlp_memory_rows",
+    "format_memory_rows",
+    "read_memory_rows",
+    "REGION_LAYOUTS",
+    "after_step_in_region",
+    "losses_by_layout",
+]
 
 
 def dtype_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Counter]:
     """Chapter 02: how many parameters / grads / optimizer-state tensors there are of each dtype."""
-    rep = {"params": Counter(short(p.dtype) for p in model.parameters()),
-           "grads": Counter(short(p.grad.dtype) for p in model.parameters() if p.grad is not None)}
+    rep = {
+        "params": Counter(short(p.dtype) for p in model.parameters()),
+        "grads": Counter(short(p.grad.dtype) for p in model.parameters() if p.grad is not None),
+    }
     if optimizer is not None:
-        rep["optimizer state"] = Counter(short(v.dtype) for st in optimizer.state.values()
-                                         for v in st.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+        rep["optimizer state"] = Counter(
+            short(v.dtype)
+            for st in optimizer.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor) and v.is_floating_point()
+        )
     return rep
 
 
 @dataclass(frozen=True)
 class ModuleDtypes:
     """The dtypes one leaf module saw and produced in a forward pass."""
+
     name: str
     kind: str
     in_dtype: torch.dtype | None
     out_dtype: torch.dtype | None
 
 
-def module_dtypes(model: nn.Module, *inputs: torch.Tensor, device_type: str | None = None,
-                  dtype: torch.dtype | None = None) -> list[ModuleDtypes]:
+def module_dtypes(
+    model: nn.Module, *inputs: torch.Tensor, device_type: str | None = None, dtype: torch.dtype | None = None
+) -> list[ModuleDtypes]:
     """Chapter 02: input and output dtype of every leaf module, in execution order.
 
     With device_type given, the forward runs under torch.autocast(device_type, dtype);
@@ -69,6 +88,7 @@ def module_dtypes(model: nn.Module, *inputs: torch.Tensor, device_type: str | No
     def hook(name: str) -> Callable:
         def record(mod: nn.Module, args: tuple, out: object) -> None:
             rows.append(ModuleDtypes(name, type(mod).__name__, first_float(args), first_float(out)))
+
         return record
 
     handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if not list(m.children())]
@@ -86,15 +106,22 @@ def format_module_dtypes(rows: Sequence[ModuleDtypes]) -> str:
     """Chapter 02: module_dtypes as a table; marks where autocast changed the dtype."""
     out = [f"{'module':<18}{'type':<20}{'in':>6}{'out':>6}"]
     for r in rows:
-        mark = "  <- cast down" if r.in_dtype == torch.float32 and r.out_dtype in LOW_PRECISION else (
-            "  <- cast up to fp32" if r.in_dtype in LOW_PRECISION and r.out_dtype == torch.float32 else "")
+        mark = (
+            "  <- cast down"
+            if r.in_dtype == torch.float32 and r.out_dtype in LOW_PRECISION
+            else ("  <- cast up to fp32" if r.in_dtype in LOW_PRECISION and r.out_dtype == torch.float32 else "")
+        )
         out.append(f"{r.name:<18}{r.kind:<20}{short(r.in_dtype):>6}{short(r.out_dtype):>6}{mark}")
     return "\n".join(out)
 
 
-def memory_comparison(model: nn.Module, x: torch.Tensor, target: torch.Tensor,
-                      loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
-                      dtype: torch.dtype | None = None) -> dict[str, dict]:
+def memory_comparison(
+    model: nn.Module,
+    x: torch.Tensor,
+    target: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+    dtype: torch.dtype | None = None,
+) -> dict[str, dict]:
     """Chapter 02: one forward + backward in fp32 and under autocast, and what each keeps.
 
     For each mode: `saved` = bytes autograd saves for backward (any device, via
@@ -121,14 +148,21 @@ def memory_comparison(model: nn.Module, x: torch.Tensor, target: torch.Tensor,
             losses.pop().backward()
 
         peak = peak_memory_bytes(step, dev)
-        out[name] = {"saved": sum(by_dtype.values()), "peak": peak,
-                     "saved_by_dtype": {short(k): v for k, v in by_dtype.items()}}
+        out[name] = {
+            "saved": sum(by_dtype.values()),
+            "peak": peak,
+            "saved_by_dtype": {short(k): v for k, v in by_dtype.items()},
+        }
     model.zero_grad(set_to_none=True)
     return out
 
 
-def mlp_memory_rows(device: str = "cuda", dtypes: Sequence[torch.dtype] = (torch.float16, torch.bfloat16),
-                    width: int = 4096, batch: int = 512) -> list[dict]:
+def mlp_memory_rows(
+    device: str = "cuda",
+    dtypes: Sequence[torch.dtype] = (torch.float16, torch.bfloat16),
+    width: int = 4096,
+    batch: int = 512,
+) -> list[dict]:
     """Chapter 02: memory_comparison on the AMP recipe's MLP (3 x 4096 wide, batch 512), per dtype.
 
     One row per low-precision dtype, sizes in MiB; `peak_*` is None off CUDA.
@@ -139,23 +173,37 @@ def mlp_memory_rows(device: str = "cuda", dtypes: Sequence[torch.dtype] = (torch
         mlp = MLP(in_features=width, hidden=width, depth=3).to(device)
         x, y = torch.randn(batch, width, device=device), torch.randint(0, 10, (batch,), device=device)
         m = memory_comparison(mlp, x, y, dtype=dtype)
-        low, mib = short(dtype), 2.0 ** 20
-        rows.append({"dtype": low, "saved_fp32": m["fp32"]["saved"] / mib, "saved_low": m[low]["saved"] / mib,
-                     "peak_fp32": m["fp32"]["peak"] / mib if m["fp32"]["peak"] else None,
-                     "peak_low": m[low]["peak"] / mib if m[low]["peak"] else None})
+        low, mib = short(dtype), 2.0**20
+        rows.append(
+            {
+                "dtype": low,
+                "saved_fp32": m["fp32"]["saved"] / mib,
+                "saved_low": m[low]["saved"] / mib,
+                "peak_fp32": m["fp32"]["peak"] / mib if m["fp32"]["peak"] else None,
+                "peak_low": m[low]["peak"] / mib if m[low]["peak"] else None,
+            }
+        )
         del mlp, x, y
     return rows
 
 
 def format_memory_rows(rows: Sequence[dict]) -> str:
     """Chapter 02: mlp_memory_rows as a table (MiB; a ratio is low precision / fp32)."""
-    out = [f"{'autocast':<10}{'saved fp32':>12}{'saved low':>11}{'ratio':>7}"
-           f"{'peak fp32':>12}{'peak low':>10}{'ratio':>7}"]
+    out = [
+        f"{'autocast':<10}{'saved fp32':>12}{'saved low':>11}{'ratio':>7}{'peak fp32':>12}{'peak low':>10}{'ratio':>7}"
+    ]
     for r in rows:
-        peaks = (f"{r['peak_fp32']:>12.1f}{r['peak_low']:>10.1f}{r['peak_low'] / r['peak_fp32']:>7.2f}"
-                 if r["peak_fp32"] else f"{'n/a':>12}{'n/a':>10}{'':>7}")
-        out.append((f"{r['dtype']:<10}{r['saved_fp32']:>12.1f}{r['saved_low']:>11.1f}"
-                    f"{r['saved_low'] / r['saved_fp32']:>7.2f}{peaks}").rstrip())
+        peaks = (
+            f"{r['peak_fp32']:>12.1f}{r['peak_low']:>10.1f}{r['peak_low'] / r['peak_fp32']:>7.2f}"
+            if r["peak_fp32"]
+            else f"{'n/a':>12}{'n/a':>10}{'':>7}"
+        )
+        out.append(
+            (
+                f"{r['dtype']:<10}{r['saved_fp32']:>12.1f}{r['saved_low']:>11.1f}"
+                f"{r['saved_low'] / r['saved_fp32']:>7.2f}{peaks}"
+            ).rstrip()
+        )
     return "\n".join(out)
 
 
@@ -171,22 +219,32 @@ def read_memory_rows(rows: Sequence[dict]) -> str:
             peak = r["peak_low"] / r["peak_fp32"]
             line += f", the step's peak x{peak:.2f}"
             if peak > saved + 0.1:
-                line += (" - the peak grew" if peak > 1 else " - the peak shrank less than the activations") + \
-                    (": it also holds what autocast leaves in fp32 (weights, gradients) and what it adds (the"
-                     " 16-bit copies of the weights)")
+                line += (" - the peak grew" if peak > 1 else " - the peak shrank less than the activations") + (
+                    ": it also holds what autocast leaves in fp32 (weights, gradients) and what it adds (the"
+                    " 16-bit copies of the weights)"
+                )
         out.append(textwrap.fill(line, 100, subsequent_indent="    "))
     fp32_peaks = [r["peak_fp32"] for r in rows if r["peak_fp32"]]
     if len(fp32_peaks) > 1 and max(fp32_peaks) > 1.1 * min(fp32_peaks):
-        out.append(textwrap.fill(f"The rows' fp32 peaks measure the same fp32 step but differ ({min(fp32_peaks):.0f} "
-                                 f"to {max(fp32_peaks):.0f} MiB): memory held from an earlier measurement was "
-                                 "counted in one of them, so read those peaks with care.", 100))
+        out.append(
+            textwrap.fill(
+                f"The rows' fp32 peaks measure the same fp32 step but differ ({min(fp32_peaks):.0f} "
+                f"to {max(fp32_peaks):.0f} MiB): memory held from an earlier measurement was "
+                "counted in one of them, so read those peaks with care.",
+                100,
+            )
+        )
     return "\n".join(out)
 
 
 # --------------------------------------------------------------------------- the cast cache goes stale
 
-REGION_LAYOUTS = ("a new region per step", "one region", "one region + torch.clear_autocast_cache()",
-                  "one region, cache_enabled=False")
+REGION_LAYOUTS = (
+    "a new region per step",
+    "one region",
+    "one region + torch.clear_autocast_cache()",
+    "one region, cache_enabled=False",
+)
 
 
 def _layout(layout: str, device: str, dtype: torch.dtype) -> tuple[Callable, Callable]:
@@ -199,8 +257,14 @@ def _layout(layout: str, device: str, dtype: torch.dtype) -> tuple[Callable, Cal
     return lambda: torch.autocast(device, dtype=dtype, cache_enabled=cache), contextlib.nullcontext
 
 
-def after_step_in_region(model: nn.Module, x: torch.Tensor, target: torch.Tensor, layout: str,
-                         dtype: torch.dtype | None = None, lr: float = 0.1) -> dict[str, float]:
+def after_step_in_region(
+    model: nn.Module,
+    x: torch.Tensor,
+    target: torch.Tensor,
+    layout: str,
+    dtype: torch.dtype | None = None,
+    lr: float = 0.1,
+) -> dict[str, float]:
     """Chapter 02: forward, one SGD step, forward again, on a copy of `model`, with regions as `layout` says.
 
     Returns the largest change of the output made by the step (`moved`) and the largest
@@ -226,8 +290,15 @@ def after_step_in_region(model: nn.Module, x: torch.Tensor, target: torch.Tensor
     return {"moved": (after - before.float()).abs().max().item(), "error": (after - truth).abs().max().item()}
 
 
-def losses_by_layout(model: nn.Module, x: torch.Tensor, target: torch.Tensor, layout: str, steps: int = 6,
-                     dtype: torch.dtype | None = None, lr: float = 0.1) -> list[float]:
+def losses_by_layout(
+    model: nn.Module,
+    x: torch.Tensor,
+    target: torch.Tensor,
+    layout: str,
+    steps: int = 6,
+    dtype: torch.dtype | None = None,
+    lr: float = 0.1,
+) -> list[float]:
     """Chapter 02: the loss at each of `steps` SGD steps on a copy of `model`, regions laid out as `layout`.
 
     In "one region" every forward after the first reuses the first step's cast weights.
@@ -251,8 +322,10 @@ def losses_by_layout(model: nn.Module, x: torch.Tensor, target: torch.Tensor, la
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m course_lib.chapters.autocast_dtypes",
-                                description="saved-for-backward and peak memory of an MLP step, fp32 vs autocast")
+    p = argparse.ArgumentParser(
+        prog="python -m course_lib.chapters.autocast_dtypes",
+        description="saved-for-backward and peak memory of an MLP step, fp32 vs autocast",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--width", type=int, default=4096, help="MLP width (the AMP recipe's 4096; use less on a CPU)")
     p.add_argument("--json", help="also write the rows with provenance (data/reference/autocast_memory_<gpu>.json)")

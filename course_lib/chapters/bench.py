@@ -13,6 +13,7 @@ It also holds the chapter's picture of one mixed-precision training step (`draw_
 and the sentences that read a measurement from its numbers (`compare_runs`, `read_table`),
 so that no sentence in the notebook claims "faster" or "slower" without them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,57 +67,86 @@ def compare_runs(seconds: dict[str, float], device: torch.device | str | None = 
     faster and by how much, what this hardware leads one to expect, and why one run is no benchmark."""
     (base_label, base), (label, t) = list(seconds.items())[:2]
     dev = pick_device() if device is None else torch.device(device)
-    lines = [f"{label} took {t:.1f} s and {base_label} {base:.1f} s: {label} was {_factor(base, t)} "
-             "in this one run."]
+    lines = [f"{label} took {t:.1f} s and {base_label} {base:.1f} s: {label} was {_factor(base, t)} in this one run."]
     if dev.type == "cpu":
         flags = cpu_bf16_flags()
-        lines.append(f"This CPU computes bf16 natively ({', '.join(flags)}), so bf16 can be faster here, "
-                     "though a small model can still be faster in fp32." if flags else
-                     "This CPU has no AMX-BF16/AVX512-BF16 instructions: bf16 is converted in software "
-                     "there, so slower is what to expect.")
+        lines.append(
+            f"This CPU computes bf16 natively ({', '.join(flags)}), so bf16 can be faster here, "
+            "though a small model can still be faster in fp32."
+            if flags
+            else "This CPU has no AMX-BF16/AVX512-BF16 instructions: bf16 is converted in software "
+            "there, so slower is what to expect."
+        )
     elif dev.type == "cuda":
         cc = cuda_capability(dev)
-        tc = "has bf16 Tensor Cores" if has_native_bf16(dev) else \
-            ("has fp16 Tensor Cores" if cc >= (7, 0) else "has no Tensor Cores")
-        lines.append(f"This GPU (sm_{cc[0]}{cc[1]}) {tc}; a CNN this small on 28-pixel images gives a GPU "
-                     "little work: the ResNet-50 table below shows more.")
-    lines.append("One run each, data loading and evaluation included, has no spread to judge the "
-                 "difference by: the benchmark below times the training step alone, many times.")
+        tc = (
+            "has bf16 Tensor Cores"
+            if has_native_bf16(dev)
+            else ("has fp16 Tensor Cores" if cc >= (7, 0) else "has no Tensor Cores")
+        )
+        lines.append(
+            f"This GPU (sm_{cc[0]}{cc[1]}) {tc}; a CNN this small on 28-pixel images gives a GPU "
+            "little work: the ResNet-50 table below shows more."
+        )
+    lines.append(
+        "One run each, data loading and evaluation included, has no spread to judge the "
+        "difference by: the benchmark below times the training step alone, many times."
+    )
     return "\n".join(_wrap(line) for line in lines)
 
 
 def _rows_spec(dev: torch.device, model: str) -> list[tuple[str, str, bool, bool, str]]:
     """(label, precision, tf32, channels_last, why skipped or '') for each row of the table."""
     amp = mixed_precision_for(dev)  # on a CPU without native bf16 (or before Volta): what autocast costs there
-    tf32_note = "" if dev.type == "cuda" and cuda_capability(dev) >= (8, 0) else \
-        "TF32 needs an NVIDIA Ampere-or-newer GPU (sm_80+)"
+    tf32_note = (
+        ""
+        if dev.type == "cuda" and cuda_capability(dev) >= (8, 0)
+        else "TF32 needs an NVIDIA Ampere-or-newer GPU (sm_80+)"
+    )
     convnet = model != "mlp"
-    rows = [("FP32 (strict)", "fp32", False, False, ""), ("TF32", "fp32", True, False, tf32_note),
-            (f"AMP {amp}", amp, False, False, "")]
+    rows = [
+        ("FP32 (strict)", "fp32", False, False, ""),
+        ("TF32", "fp32", True, False, tf32_note),
+        (f"AMP {amp}", amp, False, False, ""),
+    ]
     if dev.type == "cuda" and convnet:  # NHWC is its own rung: it speeds up Tensor Core convolutions
         rows.append((f"AMP {amp} + channels_last", amp, False, True, ""))
     return rows
 
 
-def step_row(model: str, precision: str, device: torch.device, *, batch: int, steps: int, allow_tf32: bool = False,
-             channels_last: bool = False, shape: tuple[int, ...] | None = None, warmup: int = 3,
-             autotune: bool = True) -> dict:
+def step_row(
+    model: str,
+    precision: str,
+    device: torch.device,
+    *,
+    batch: int,
+    steps: int,
+    allow_tf32: bool = False,
+    channels_last: bool = False,
+    shape: tuple[int, ...] | None = None,
+    warmup: int = 3,
+    autotune: bool = True,
+) -> dict:
     """Time one training step of the course's loop (Trainer.train_step) on a synthetic on-device
     batch: median and quartiles of `steps` steps after `warmup` steps, samples/s, peak memory (CUDA).
     `autotune=False` leaves cuDNN on its heuristics (for memory probes, where timing does not count)."""
     default_shape, kwargs, num_classes = WORKLOADS[model]
-    (x, y), = synthetic_batches(1, batch, shape=shape or default_shape, num_classes=num_classes, device=device,
-                                seed=0)
+    ((x, y),) = synthetic_batches(
+        1, batch, shape=shape or default_shape, num_classes=num_classes, device=device, seed=0
+    )
     torch.manual_seed(0)
     net = build_model(model, **kwargs)
-    cfg = TrainConfig(precision=precision, device=str(device), channels_last=channels_last, progress=False,
-                      log_every=10**9)
+    cfg = TrainConfig(
+        precision=precision, device=str(device), channels_last=channels_last, progress=False, log_every=10**9
+    )
     trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9), cfg)
     step = functools.partial(trainer.train_step, [(x, y)])
     # cuDNN autotuning: the first step at a new shape tries each convolution algorithm and keeps the
     # fastest (warm-up covers it). Fixed shapes, as here, are where it pays; restored afterwards.
-    benchmark, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, \
-        autotune and torch.device(device).type == "cuda"
+    benchmark, torch.backends.cudnn.benchmark = (
+        torch.backends.cudnn.benchmark,
+        autotune and torch.device(device).type == "cuda",
+    )
     try:
         with tf32(allow_tf32):
             timing = time_fn(step, warmup=warmup, iters=steps, device=device)
@@ -126,14 +156,25 @@ def step_row(model: str, precision: str, device: torch.device, *, batch: int, st
     q1, q3 = timing.quartiles_ms
     # This row's model, gradients and optimizer state are freed when the function returns:
     # max_memory_allocated counts everything still allocated, so a leftover would inflate the next row.
-    return {"precision": precision, "tf32": allow_tf32, "channels_last": channels_last, "model": model,
-            "batch": batch, "steps": steps, "ms_per_step": timing.median_ms, "ms_q1": q1, "ms_q3": q3,
-            "times_ms": timing.times_ms, "samples_per_s": batch / timing.median_ms * 1e3,
-            "peak_memory_gib": peak / 2**30 if peak is not None else None}
+    return {
+        "precision": precision,
+        "tf32": allow_tf32,
+        "channels_last": channels_last,
+        "model": model,
+        "batch": batch,
+        "steps": steps,
+        "ms_per_step": timing.median_ms,
+        "ms_q1": q1,
+        "ms_q3": q3,
+        "times_ms": timing.times_ms,
+        "samples_per_s": batch / timing.median_ms * 1e3,
+        "peak_memory_gib": peak / 2**30 if peak is not None else None,
+    }
 
 
-def precision_table(model: str | None = None, batch: int | None = None, steps: int | None = None,
-                    device: str = "auto") -> list[dict]:
+def precision_table(
+    model: str | None = None, batch: int | None = None, steps: int | None = None, device: str = "auto"
+) -> list[dict]:
     """Chapter 00: time one training step per row: strict FP32, TF32, AMP, AMP + channels_last.
 
     AMP uses the precision the course recommends for this device (bf16 on Ampere+, fp16 +
@@ -149,12 +190,21 @@ def precision_table(model: str | None = None, batch: int | None = None, steps: i
         d_model, d_batch, d_steps = "simplecnn", 64, 10
     model, batch, steps = model or d_model, batch or d_batch, steps or d_steps
     if model in GPU_ONLY and dev.type != "cuda":
-        raise ValueError(f"{model} at 224 px is sized for a GPU (minutes per step and >4 GB on a CPU); "
-                         "on a CPU use model='simplecnn', 'mlp' or 'small_resnet'")
-    rows = [{"mode": label, "note": skipped} if skipped else
-            {"mode": label, **step_row(model, precision, dev, batch=batch, steps=steps, allow_tf32=allow_tf32,
-                                       channels_last=channels_last)}
-            for label, precision, allow_tf32, channels_last, skipped in _rows_spec(dev, model)]
+        raise ValueError(
+            f"{model} at 224 px is sized for a GPU (minutes per step and >4 GB on a CPU); "
+            "on a CPU use model='simplecnn', 'mlp' or 'small_resnet'"
+        )
+    rows = [
+        {"mode": label, "note": skipped}
+        if skipped
+        else {
+            "mode": label,
+            **step_row(
+                model, precision, dev, batch=batch, steps=steps, allow_tf32=allow_tf32, channels_last=channels_last
+            ),
+        }
+        for label, precision, allow_tf32, channels_last, skipped in _rows_spec(dev, model)
+    ]
     base = rows[0]["ms_per_step"]
     for r in rows:
         if "ms_per_step" in r:
@@ -171,8 +221,10 @@ def format_table(rows: list[dict]) -> str:
             continue
         mem = f"{r['peak_memory_gib']:.2f} GiB" if r["peak_memory_gib"] is not None else "n/a (CPU)"
         half = f"{r['ms_q1']:.1f}-{r['ms_q3']:.1f}"
-        out.append(f"{r['mode']:<30}{r['ms_per_step']:>9.1f}{half:>15}{r['samples_per_s']:>11.0f}"
-                   f"{r['speedup_vs_fp32']:>9.2f}x{mem:>11}")
+        out.append(
+            f"{r['mode']:<30}{r['ms_per_step']:>9.1f}{half:>15}{r['samples_per_s']:>11.0f}"
+            f"{r['speedup_vs_fp32']:>9.2f}x{mem:>11}"
+        )
     return "\n".join(out)
 
 
@@ -202,11 +254,29 @@ def draw_amp_step():
     fig, ax = plt.subplots(figsize=(10, 3.6))
     for x, y, text, kind in boxes.values():
         face, edge = colours[kind]
-        ax.add_patch(FancyBboxPatch((x - 1.1, y - 0.42), 2.2, 0.84, boxstyle="round,pad=0.05", fc=face, ec=edge,
-                                    lw=1.6, ls="--" if kind == "scaler" else "-"))
+        ax.add_patch(
+            FancyBboxPatch(
+                (x - 1.1, y - 0.42),
+                2.2,
+                0.84,
+                boxstyle="round,pad=0.05",
+                fc=face,
+                ec=edge,
+                lw=1.6,
+                ls="--" if kind == "scaler" else "-",
+            )
+        )
         ax.text(x, y, text, ha="center", va="center", fontsize=9)
-    arrows = [("w", "w16", "autocast\ncasts"), ("w16", "fwd", ""), ("fwd", "loss", ""), ("loss", "scale", "GradScaler"),
-              ("scale", "bwd", ""), ("bwd", "grad", ""), ("grad", "upd", ""), ("upd", "w", "next step")]
+    arrows = [
+        ("w", "w16", "autocast\ncasts"),
+        ("w16", "fwd", ""),
+        ("fwd", "loss", ""),
+        ("loss", "scale", "GradScaler"),
+        ("scale", "bwd", ""),
+        ("bwd", "grad", ""),
+        ("grad", "upd", ""),
+        ("upd", "w", "next step"),
+    ]
     for a, b, label in arrows:
         (xa, ya), (xb, yb) = boxes[a][:2], boxes[b][:2]
         if ya == yb:
@@ -216,11 +286,20 @@ def draw_amp_step():
         ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=14, lw=1.3, color="#444444"))
         if label:
             offset = (0, 0.14) if ya == yb else (0.12, 0)
-            ax.text((start[0] + end[0]) / 2 + offset[0], (start[1] + end[1]) / 2 + offset[1], label, fontsize=8,
-                    ha="center" if ya == yb else "left", va="bottom" if ya == yb else "center", color="#444444")
-    handles = [Patch(fc=colours["fp32"][0], ec=colours["fp32"][1], label="fp32 (32 bits)"),
-               Patch(fc=colours["16"][0], ec=colours["16"][1], label="16 bits (fp16 or bf16)"),
-               Patch(fc="white", ec=colours["scaler"][1], ls="--", label="fp16 only: loss scaling by S")]
+            ax.text(
+                (start[0] + end[0]) / 2 + offset[0],
+                (start[1] + end[1]) / 2 + offset[1],
+                label,
+                fontsize=8,
+                ha="center" if ya == yb else "left",
+                va="bottom" if ya == yb else "center",
+                color="#444444",
+            )
+    handles = [
+        Patch(fc=colours["fp32"][0], ec=colours["fp32"][1], label="fp32 (32 bits)"),
+        Patch(fc=colours["16"][0], ec=colours["16"][1], label="16 bits (fp16 or bf16)"),
+        Patch(fc="white", ec=colours["scaler"][1], ls="--", label="fp16 only: loss scaling by S"),
+    ]
     ax.legend(handles=handles, loc="center", ncol=3, fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.5))
     ax.set_xlim(0, 12)
     ax.set_ylim(0.35, 3.65)
@@ -231,8 +310,9 @@ def draw_amp_step():
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m course_lib.chapters.bench",
-                                description="FP32 / TF32 / AMP training-step table for this machine")
+    p = argparse.ArgumentParser(
+        prog="python -m course_lib.chapters.bench", description="FP32 / TF32 / AMP training-step table for this machine"
+    )
     p.add_argument("--model", choices=sorted(WORKLOADS))
     p.add_argument("--batch", type=int)
     p.add_argument("--steps", type=int, help="timed steps per row (median and middle half reported)")

@@ -24,6 +24,7 @@ through), and with it its communication threads: see teardown(). A rank that fai
 OUT/failed_rank<r>.json (time and error), so that the launcher names the rank that failed first,
 not the ones that failed because it left.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,8 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
-                   help="auto: nccl on CUDA GPUs, else gloo on the CPU; gloo: the CPU even where GPUs are")
+    p.add_argument(
+        "--backend",
+        choices=("auto", "gloo", "nccl"),
+        default="auto",
+        help="auto: nccl on CUDA GPUs, else gloo on the CPU; gloo: the CPU even where GPUs are",
+    )
     p.add_argument("--precision", default=None, help="fp32|bf16|fp16|auto (default: bf16 on a CPU, auto on CUDA)")
     p.add_argument("--log-every", type=int, default=8, help="optimizer steps between rank 0's log lines")
     p.add_argument("--fsdp", action="store_true", help="also compute the first gradient with FSDP2")
@@ -118,17 +123,20 @@ def _loss_fn(r: Rank, args: argparse.Namespace):
             r.say(f"injected hang at micro-batch {calls[0]}", everyone=True)
             time.sleep(3600)
         return F.cross_entropy(out, y)
+
     return loss
 
 
 def _count_allreduces(ddp: DDP) -> list[int]:
     """Make DDP count its gradient all-reduces (one per bucket per synchronised backward)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
     calls = [0]
 
     def hook(state, bucket):
         calls[0] += 1
         return allreduce_hook(state, bucket)
+
     ddp.register_comm_hook(None, hook)
     return calls
 
@@ -162,13 +170,21 @@ def demo(r: Rank, args: argparse.Namespace) -> None:
     # 4. train: the course's loop, unchanged, on a DDP model and a DistributedSampler
     allreduces = _count_allreduces(ddp)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
-    cfg = TrainConfig(precision=precision, device=str(r.device), epochs=args.epochs, accum_steps=args.accum,
-                      progress=False, log_every=10**9)
+    cfg = TrainConfig(
+        precision=precision,
+        device=str(r.device),
+        epochs=args.epochs,
+        accum_steps=args.accum,
+        progress=False,
+        log_every=10**9,
+    )
     trainer = Trainer(ddp, opt, cfg, loss_fn=_loss_fn(r, args))
     scaler = "on" if trainer.scaler.is_enabled() else "off"
     tqdm.monitor_interval = 0  # no bar here (progress=False): no tqdm monitor thread either, one fewer at exit
-    r.say(f"{trainer.precision} autocast, GradScaler {scaler} (one per process); one step = {r.world} ranks "
-          f"x {args.accum} micro-batches x {args.batch}")
+    r.say(
+        f"{trainer.precision} autocast, GradScaler {scaler} (one per process); one step = {r.world} ranks "
+        f"x {args.accum} micro-batches x {args.batch}"
+    )
     per_epoch = len(loader) // args.accum
     total = args.epochs * per_epoch
     losses: list[float] = []
@@ -181,10 +197,15 @@ def demo(r: Rank, args: argparse.Namespace) -> None:
         losses += (mine / r.world).tolist()
         state = [None] * r.world  # each rank's own scaler: do they agree?
         dist.all_gather_object(state, (trainer.history.scale[-1], trainer.history.skipped_steps))
-        scale = (f"scale {state[0][0]:g}, {state[0][1]} skipped (all ranks)" if len(set(state)) == 1 else
-                 f"scale, skipped by rank {state}")
-        r.say(f"step {trainer.step_count:>3}/{total} epoch {(trainer.step_count - 1) // per_epoch} loss "
-              f"{losses[-1]:.4f} (mean over ranks) {scale}")
+        scale = (
+            f"scale {state[0][0]:g}, {state[0][1]} skipped (all ranks)"
+            if len(set(state)) == 1
+            else f"scale, skipped by rank {state}"
+        )
+        r.say(
+            f"step {trainer.step_count:>3}/{total} epoch {(trainer.step_count - 1) // per_epoch} loss "
+            f"{losses[-1]:.4f} (mean over ranks) {scale}"
+        )
     if r.rank == 0:  # every rank holds the same state: one writer, never world_size writers
         trainer.save_checkpoint(out / "checkpoint.pt")
         r.say("checkpoint.pt written by rank 0 only, the others wait at a barrier")
@@ -197,29 +218,45 @@ def demo(r: Rank, args: argparse.Namespace) -> None:
         sampler.set_epoch(epoch)
         seen.append(list(sampler))
     (out / f"indices_rank{r.rank}.json").write_text(json.dumps(seen))
-    summary = {"world_size": r.world, "backend": r.backend, "device": str(r.device), "precision": trainer.precision,
-               "scaler": trainer.scaler.is_enabled(), "checksums_before": before, "checksums_after": after,
-               "losses": losses, "scales_by_rank": scales, "steps": trainer.step_count,
-               "allreduce_calls": allreduces[0], "seconds": trainer.history.seconds,
-               "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    summary = {
+        "world_size": r.world,
+        "backend": r.backend,
+        "device": str(r.device),
+        "precision": trainer.precision,
+        "scaler": trainer.scaler.is_enabled(),
+        "checksums_before": before,
+        "checksums_after": after,
+        "losses": losses,
+        "scales_by_rank": scales,
+        "steps": trainer.step_count,
+        "allreduce_calls": allreduces[0],
+        "seconds": trainer.history.seconds,
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    }
     if args.fsdp:
         summary["fsdp"] = fsdp_gradient(r, args, init, x, y, grads)
     if r.rank == 0:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    r.say(f"done: {trainer.step_count} optimizer steps, {allreduces[0]} gradient all-reduce calls, "
-          f"{trainer.history.seconds:.1f} s of training", everyone=True)
+    r.say(
+        f"done: {trainer.step_count} optimizer steps, {allreduces[0]} gradient all-reduce calls, "
+        f"{trainer.history.seconds:.1f} s of training",
+        everyone=True,
+    )
 
 
-def fsdp_gradient(r: Rank, args: argparse.Namespace, init: dict, x: torch.Tensor, y: torch.Tensor,
-                  ddp_grads: dict) -> dict:
+def fsdp_gradient(
+    r: Rank, args: argparse.Namespace, init: dict, x: torch.Tensor, y: torch.Tensor, ddp_grads: dict
+) -> dict:
     """Step 5: the first batch's gradient again, with FSDP2: each rank keeps 1/world of every tensor."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(r.device.type, (r.world,))
     result = {}
-    for name, policy in (("fp32", MixedPrecisionPolicy()),
-                         ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))):
+    for name, policy in (
+        ("fp32", MixedPrecisionPolicy()),
+        ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+    ):
         model = MLP(hidden=args.hidden, depth=1).to(r.device)
         model.load_state_dict(init)
         for layer in model.modules():
@@ -233,11 +270,18 @@ def fsdp_gradient(r: Rank, args: argparse.Namespace, init: dict, x: torch.Tensor
         shapes = {n: [list(p.to_local().shape), list(p.shape)] for n, p in model.named_parameters()}
         held = sum(p.to_local().numel() for p in model.parameters())
         total = sum(p.numel() for p in model.parameters())
-        result[name] = {"shapes": shapes, "held": held, "total": total, "rel_diff_vs_ddp": diff,
-                        "logits_dtype": str(logits.dtype).removeprefix("torch."),
-                        "grad_dtype": str(next(model.parameters()).grad.dtype).removeprefix("torch.")}
-        r.say(f"FSDP2 {name}: holds {held:,} of {total:,} parameters; gradient vs DDP's: max rel. diff "
-              f"{diff:.1e}", everyone=name == "fp32")
+        result[name] = {
+            "shapes": shapes,
+            "held": held,
+            "total": total,
+            "rel_diff_vs_ddp": diff,
+            "logits_dtype": str(logits.dtype).removeprefix("torch."),
+            "grad_dtype": str(next(model.parameters()).grad.dtype).removeprefix("torch."),
+        }
+        r.say(
+            f"FSDP2 {name}: holds {held:,} of {total:,} parameters; gradient vs DDP's: max rel. diff {diff:.1e}",
+            everyone=name == "fp32",
+        )
     # DTensor's caches keep this mesh for the life of the process, and the mesh keeps its process groups:
     # let go of them, or destroy_process_group cannot free the group (see teardown)
     getattr(mesh, "_pg_registry", {}).clear()
@@ -267,21 +311,28 @@ def _bench_model(width: int) -> nn.Module:
     return MLP(in_features=width, hidden=width, depth=4, num_classes=width // 4)
 
 
-def _bench_step(model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler, x: torch.Tensor,
-                y: torch.Tensor, dtype: torch.dtype | None) -> None:
+def _bench_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    dtype: torch.dtype | None,
+) -> None:
     amp_step(model, opt, scaler, [(x, y)], dtype)  # the course's AMP step, timed
 
 
 def time_steps(r: Rank, args: argparse.Namespace) -> None:
     """--time-steps N: median step time of DDP on a wide MLP, per-rank batch --batch (the GPU reference)."""
     from ..device import recommend_precision
+
     prec = recommend_precision(r.device) if r.device.type == "cuda" else None
     dtype = AMP_DTYPES[prec.precision if prec else "fp32"]
     torch.manual_seed(args.seed)
     ddp = DDP(_bench_model(args.width).to(r.device), device_ids=[r.local] if r.device.type == "cuda" else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler(r.device.type, enabled=dtype == torch.float16)
-    (x, y), = synthetic_batches(1, args.batch, (args.width,), args.width // 4, device=r.device, seed=r.rank)
+    ((x, y),) = synthetic_batches(1, args.batch, (args.width,), args.width // 4, device=r.device, seed=r.rank)
     times = []
     for i in range(args.time_steps + 5):  # 5 warm-up steps
         if r.device.type == "cuda":
@@ -296,8 +347,15 @@ def time_steps(r: Rank, args: argparse.Namespace) -> None:
     dist.all_gather_object(gathered, statistics.median(times))
     if r.rank == 0:
         q = statistics.quantiles(times, n=4)
-        result = {"median_ms": max(gathered), "q1_ms": q[0], "q3_ms": q[2], "precision": prec.precision if prec else
-                  "fp32", "world_size": r.world, "batch_per_rank": args.batch, "width": args.width}
+        result = {
+            "median_ms": max(gathered),
+            "q1_ms": q[0],
+            "q3_ms": q[2],
+            "precision": prec.precision if prec else "fp32",
+            "world_size": r.world,
+            "batch_per_rank": args.batch,
+            "width": args.width,
+        }
         (args.out / "timing.json").write_text(json.dumps(result))
     r.say(f"median step {statistics.median(times):.2f} ms over {len(times)} steps", everyone=True)
 
@@ -341,10 +399,16 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if r.device.type == "cuda":
             torch.cuda.set_device(r.device)  # before anything touches CUDA: one GPU per process
-        dist.init_process_group(r.backend, timeout=timedelta(seconds=args.pg_timeout),
-                                device_id=r.device if r.device.type == "cuda" else None)
-        r.say(f"rank {r.rank} of {r.world}, local rank {r.local}, pid {os.getpid()}, {r.backend} on {r.device}, "
-              f"store {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}", everyone=True)
+        dist.init_process_group(
+            r.backend,
+            timeout=timedelta(seconds=args.pg_timeout),
+            device_id=r.device if r.device.type == "cuda" else None,
+        )
+        r.say(
+            f"rank {r.rank} of {r.world}, local rank {r.local}, pid {os.getpid()}, {r.backend} on {r.device}, "
+            f"store {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
+            everyone=True,
+        )
         (time_steps if args.time_steps else demo)(r, args)
         finished = True
     except BaseException as e:
@@ -355,8 +419,12 @@ def main(argv: list[str] | None = None) -> None:
         left = teardown(finished)  # always, also after an error
     if left:  # something unknown here still holds the group: shutting the interpreter down beside its threads
         # is what aborts, so leave without that (every output file is written and closed by now)
-        print(f"[rank {r.rank}] process-group threads outlived destroy_process_group: {', '.join(left)}; "
-              "exiting without interpreter shutdown", file=sys.stderr, flush=True)
+        print(
+            f"[rank {r.rank}] process-group threads outlived destroy_process_group: {', '.join(left)}; "
+            "exiting without interpreter shutdown",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.stdout.flush()
         os._exit(0)
     if r.rank == args.crash_at_exit:

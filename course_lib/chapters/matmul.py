@@ -9,6 +9,7 @@ the floor set by rounding the inputs.
     python -m course_lib.chapters.matmul error [--json data/reference/formats_matmul_<gpu>.json]
     python -m course_lib.chapters.matmul speed [--json data/reference/matmul_<gpu>.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,16 @@ from ..reference import record
 from ..timing import time_fn
 from .formats import Format, get_format
 
-__all__ = ["matmul_error", "matmul_table", "matmul_table_text", "matmul_speed_table", "format_matmul_speed",
-           "FP8_PEAK_TFLOPS", "peak_ratios", "peak_ratios_text"]
+__all__ = [
+    "matmul_error",
+    "matmul_table",
+    "matmul_table_text",
+    "matmul_speed_table",
+    "format_matmul_speed",
+    "FP8_PEAK_TFLOPS",
+    "peak_ratios",
+    "peak_ratios_text",
+]
 
 # Dense fp8 Tensor Core peaks in TFLOP/s (the datasheets print them "with sparsity": halved here),
 # for the GPUs of device.PEAK_TFLOPS. None = no fp8 Tensor Cores (before Ada, sm_89, and Hopper,
@@ -34,8 +43,16 @@ __all__ = ["matmul_error", "matmul_table", "matmul_table_text", "matmul_speed_ta
 #   H100/H200 NVL  FP8 3,341 (sparse)  (the same pages)
 #   L4        FP8   485 (sparse)  https://resources.nvidia.com/en-us-data-center-overview/l4-gpu-datasheet
 FP8_PEAK_TFLOPS: dict[str, float | None] = {
-    "V100 SXM2": None, "V100 PCIe": None, "T4": None, "A10": None, "A100": None,
-    "L4": 242.5, "H100 SXM": 1979.0, "H200": 1979.0, "H100 NVL": 1670.5, "H200 NVL": 1670.5,
+    "V100 SXM2": None,
+    "V100 PCIe": None,
+    "T4": None,
+    "A10": None,
+    "A100": None,
+    "L4": 242.5,
+    "H100 SXM": 1979.0,
+    "H200": 1979.0,
+    "H100 NVL": 1670.5,
+    "H200 NVL": 1670.5,
 }
 
 
@@ -44,8 +61,17 @@ def _has_tf32(device: torch.device) -> bool:
     return device.type == "cuda" and (cuda_capability(device) or (0, 0)) >= (8, 0)
 
 
-def matmul_error(k: int, fmt: str | torch.dtype | Format, *, method: str = "torch", m: int = 64, n: int = 64,
-                 scaled: bool = False, seed: int = 0, device: str | torch.device = "cpu") -> float:
+def matmul_error(
+    k: int,
+    fmt: str | torch.dtype | Format,
+    *,
+    method: str = "torch",
+    m: int = 64,
+    n: int = 64,
+    scaled: bool = False,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> float:
     """Chapter 01: relative error ||C - C_ref||_F / ||C_ref||_F of A @ B against float64.
 
     A (m×k) and B (k×n) are N(0, 1) float32 matrices, the reference is their exact float64 product.
@@ -72,7 +98,7 @@ def matmul_error(k: int, fmt: str | torch.dtype | Format, *, method: str = "torc
     elif method == "naive":
         c16 = torch.zeros(m, n, dtype=f.dtype)
         for i in range(k):
-            c16 = c16 + la[:, i:i + 1] * lb[i:i + 1, :]
+            c16 = c16 + la[:, i : i + 1] * lb[i : i + 1, :]
         c = c16.double()
     else:
         raise ValueError(f"method must be 'torch', 'inputs' or 'naive', not {method!r}")
@@ -85,8 +111,9 @@ def _reduced_precision_reduction(dtype: torch.dtype, allowed: bool) -> Iterator[
     # cuBLAS may do parts of an fp16 (or bf16) GEMM's reduction in that 16-bit type unless told
     # not to; PyTorch has one flag per dtype, both True by default.
     flags = torch.backends.cuda.matmul
-    name = "allow_fp16_reduced_precision_reduction" if dtype == torch.float16 else \
-        "allow_bf16_reduced_precision_reduction"
+    name = (
+        "allow_fp16_reduced_precision_reduction" if dtype == torch.float16 else "allow_bf16_reduced_precision_reduction"
+    )
     old = getattr(flags, name)
     setattr(flags, name, allowed)
     try:
@@ -129,8 +156,9 @@ def matmul_table_text(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def peak_ratios(peaks: dict[str, dict[str, float | None]] = PEAK_TFLOPS,
-                fp8: dict[str, float | None] = FP8_PEAK_TFLOPS) -> list[dict]:
+def peak_ratios(
+    peaks: dict[str, dict[str, float | None]] = PEAK_TFLOPS, fp8: dict[str, float | None] = FP8_PEAK_TFLOPS
+) -> list[dict]:
     """Chapter 01: per GPU, the datasheet peak of each 16-bit (and TF32) path over the fp32 peak,
     and fp8's over bf16's. None: no Tensor Core path for that format on that GPU (bf16 on a
     V100 or T4 still runs, emulated on the fp32 units); "n/a": no cited figure."""
@@ -148,16 +176,19 @@ def peak_ratios(peaks: dict[str, dict[str, float | None]] = PEAK_TFLOPS,
 def peak_ratios_text(peaks: dict[str, dict[str, float | None]] = PEAK_TFLOPS) -> str:
     """Chapter 01: peak_ratios as a fixed-width table (datasheet figures: the same on every machine)."""
     keys = ("tf32/fp32", "fp16/fp32", "bf16/fp32", "fp8/bf16")
-    out = ["dense datasheet peaks: fp32 in TFLOP/s, the others as multiples of it (fp8: of bf16)",
-           f"{'GPU':<9}{'fp32':>6}" + "".join(f"{k.replace('/fp32', ''):>21}" for k in keys)]
+    out = [
+        "dense datasheet peaks: fp32 in TFLOP/s, the others as multiples of it (fp8: of bf16)",
+        f"{'GPU':<9}{'fp32':>6}" + "".join(f"{k.replace('/fp32', ''):>21}" for k in keys),
+    ]
     for r in peak_ratios(peaks):
         cells = [f"{r[k]:.1f}×" if isinstance(r[k], float) else (r[k] or "no Tensor Core path") for k in keys]
         out.append(f"{r['gpu']:<9}{r['fp32_tflops']:>6}" + "".join(f"{c:>21}" for c in cells))
     return "\n".join(out)
 
 
-def matmul_tflops(n: int, dtype: torch.dtype, device: torch.device | str, *, allow_tf32: bool = False,
-                  iters: int = 10) -> tuple[float, float]:
+def matmul_tflops(
+    n: int, dtype: torch.dtype, device: torch.device | str, *, allow_tf32: bool = False, iters: int = 10
+) -> tuple[float, float]:
     """Achieved TFLOP/s of an n x n x n matmul in `dtype` (2 n^3 FLOPs): (median, spread).
 
     The spread is the interquartile range of the timed runs relative to their median."""
@@ -167,7 +198,7 @@ def matmul_tflops(n: int, dtype: torch.dtype, device: torch.device | str, *, all
     b = torch.randn(n, n, device=dev, dtype=dtype, generator=g)
     with tf32(allow_tf32):
         t = time_fn(lambda: a @ b, warmup=3, iters=iters, device=dev)
-    return 2 * n ** 3 / (t.median_ms * 1e-3) / 1e12, t.rel_spread
+    return 2 * n**3 / (t.median_ms * 1e-3) / 1e12, t.rel_spread
 
 
 def matmul_speed_table(n: int | None = None, device: str = "auto", iters: int = 10) -> list[dict]:
@@ -180,16 +211,28 @@ def matmul_speed_table(n: int | None = None, device: str = "auto", iters: int = 
     dev = pick_device(device)
     n = n or (8192 if dev.type == "cuda" else 512)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
-    specs = [("fp32 (strict)", torch.float32, False, "fp32"), ("tf32", torch.float32, True, "tf32"),
-             ("fp16", torch.float16, False, "fp16"), ("bf16", torch.bfloat16, False, "bf16")]
+    specs = [
+        ("fp32 (strict)", torch.float32, False, "fp32"),
+        ("tf32", torch.float32, True, "tf32"),
+        ("fp16", torch.float16, False, "fp16"),
+        ("bf16", torch.bfloat16, False, "bf16"),
+    ]
     rows = []
     for label, dtype, allow, key in specs:
         if allow and not _has_tf32(dev):
             continue
         achieved, spread = matmul_tflops(n, dtype, dev, allow_tf32=allow, iters=iters)
         peak = peak_tflops(name, key) if name else None
-        rows.append({"dtype": label, "n": n, "tflops": achieved, "spread": spread, "peak_tflops": peak,
-                     "fraction_of_peak": achieved / peak if peak else None})
+        rows.append(
+            {
+                "dtype": label,
+                "n": n,
+                "tflops": achieved,
+                "spread": spread,
+                "peak_tflops": peak,
+                "fraction_of_peak": achieved / peak if peak else None,
+            }
+        )
     return rows
 
 
@@ -204,13 +247,18 @@ def format_matmul_speed(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m course_lib.chapters.matmul",
-                                description="matmul error against float64 (error) or TFLOP/s per dtype (speed)")
+    p = argparse.ArgumentParser(
+        prog="python -m course_lib.chapters.matmul",
+        description="matmul error against float64 (error) or TFLOP/s per dtype (speed)",
+    )
     p.add_argument("what", choices=["error", "speed"])
     p.add_argument("--device", default="auto")
     p.add_argument("--n", type=int, help="matrix size for speed")
-    p.add_argument("--json", help="also write rows + provenance (data/reference/formats_matmul_<gpu>.json "
-                                  "for error, data/reference/matmul_<gpu>.json for speed)")
+    p.add_argument(
+        "--json",
+        help="also write rows + provenance (data/reference/formats_matmul_<gpu>.json "
+        "for error, data/reference/matmul_<gpu>.json for speed)",
+    )
     args = p.parse_args(argv)
     if args.what == "error":
         rows = matmul_table(device=pick_device(args.device))

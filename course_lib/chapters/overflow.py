@@ -8,6 +8,7 @@ layer produced, so the fix can go where the overflow starts.
     rows = trace_magnitudes(model, x, device_type="cpu", dtype=torch.float16)
     print(format_magnitudes(rows))          # marks the first layer whose output is not finite
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,15 +44,16 @@ def growing_mlp(depth: int = 8, width: int = 256, gain: float = 6.0, seed: int =
 
 @dataclass(frozen=True)
 class Magnitude:
-    name: str         # as in model.named_modules()
-    kind: str         # the module's class
-    dtype: str        # the output's dtype
-    max_abs: float    # the largest finite |value| in the output (0 if none is finite)
-    nonfinite: int    # how many entries are inf or NaN
+    name: str  # as in model.named_modules()
+    kind: str  # the module's class
+    dtype: str  # the output's dtype
+    max_abs: float  # the largest finite |value| in the output (0 if none is finite)
+    nonfinite: int  # how many entries are inf or NaN
 
 
-def trace_magnitudes(model: nn.Module, *inputs: torch.Tensor, device_type: str | None = None,
-                     dtype: torch.dtype | None = None) -> list[Magnitude]:
+def trace_magnitudes(
+    model: nn.Module, *inputs: torch.Tensor, device_type: str | None = None, dtype: torch.dtype | None = None
+) -> list[Magnitude]:
     """Chapters 03 and 09: run `model(*inputs)` (under autocast if device_type is given) and record,
     for every leaf module in execution order, its output's dtype, largest finite magnitude and
     non-finite count."""
@@ -63,8 +65,12 @@ def trace_magnitudes(model: nn.Module, *inputs: torch.Tensor, device_type: str |
                 o = out.detach()
                 finite = torch.isfinite(o)
                 biggest = o[finite].abs().max().item() if finite.any() else 0.0
-                rows.append(Magnitude(name, type(module).__name__, str(o.dtype).removeprefix("torch."),
-                                      biggest, int((~finite).sum())))
+                rows.append(
+                    Magnitude(
+                        name, type(module).__name__, str(o.dtype).removeprefix("torch."), biggest, int((~finite).sum())
+                    )
+                )
+
         return record
 
     handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if not list(m.children())]

@@ -12,6 +12,7 @@ that train the same model to the same accuracy in much less time.
 The recipe (RECIPE: seed, data, model, batch size, learning rate, epochs) decides what is
 learned and is not yours to change; the rest decides how fast the same thing is computed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,22 +32,31 @@ __all__ = ["SLOW", "RECIPE", "CHOICES", "validate_settings", "run_script", "form
 
 SLOW: dict = {
     # the recipe: what is learned
-    "seed": 0, "train_size": 2000, "test_size": 1000, "batch_size": 32, "lr": 2e-3, "epochs": 2,
+    "seed": 0,
+    "train_size": 2000,
+    "test_size": 1000,
+    "batch_size": 32,
+    "lr": 2e-3,
+    "epochs": 2,
     # how it is computed
-    "data": "per_sample",        # "per_sample" | "tensors" | "device"  (see _batches)
-    "num_workers": 2,            # DataLoader worker processes ("per_sample" and "tensors" only)
+    "data": "per_sample",  # "per_sample" | "tensors" | "device"  (see _batches)
+    "num_workers": 2,  # DataLoader worker processes ("per_sample" and "tensors" only)
     "persistent_workers": False,  # keep the workers between epochs (and between evaluations)
-    "eval_every": 10,            # evaluate on the whole test set every N steps (None: only at the end)
-    "log_every": 1,              # read the loss back with .item() every N steps
-    "detect_anomaly": True,      # torch.autograd.detect_anomaly around the training
-    "precision": "fp32",         # "fp32" | "bf16" | "fp16" | "auto" (course_lib.device.recommend_precision)
-    "optimizer": "for-loop",     # AdamW implementation: "for-loop" | "foreach" | "fused"
-    "max_steps": None,           # stop after this many optimizer steps (None: all epochs)
+    "eval_every": 10,  # evaluate on the whole test set every N steps (None: only at the end)
+    "log_every": 1,  # read the loss back with .item() every N steps
+    "detect_anomaly": True,  # torch.autograd.detect_anomaly around the training
+    "precision": "fp32",  # "fp32" | "bf16" | "fp16" | "auto" (course_lib.device.recommend_precision)
+    "optimizer": "for-loop",  # AdamW implementation: "for-loop" | "foreach" | "fused"
+    "max_steps": None,  # stop after this many optimizer steps (None: all epochs)
 }
 RECIPE = ("seed", "train_size", "test_size", "batch_size", "lr", "epochs")
-CHOICES = {"data": ("per_sample", "tensors", "device"), "precision": ("fp32", "bf16", "fp16", "auto"),
-           "optimizer": ("for-loop", "foreach", "fused"), "persistent_workers": (False, True),
-           "detect_anomaly": (False, True)}
+CHOICES = {
+    "data": ("per_sample", "tensors", "device"),
+    "precision": ("fp32", "bf16", "fp16", "auto"),
+    "optimizer": ("for-loop", "foreach", "fused"),
+    "persistent_workers": (False, True),
+    "detect_anomaly": (False, True),
+}
 
 
 def validate_settings(settings: object) -> dict:
@@ -60,15 +70,25 @@ def validate_settings(settings: object) -> dict:
     for key, allowed in CHOICES.items():
         if s[key] not in allowed or type(s[key]) is not type(allowed[0]):
             raise ValueError(f"{key}={s[key]!r}: choose one of {list(allowed)}")
-    ints = {"num_workers": (0, 16), "log_every": (1, 10**6), "eval_every": (1, 10**6), "max_steps": (1, 10**6),
-            "seed": (0, 2**31), "train_size": (1, 10_000), "test_size": (1, 10_000), "batch_size": (1, 4096),
-            "epochs": (1, 100)}
+    ints = {
+        "num_workers": (0, 16),
+        "log_every": (1, 10**6),
+        "eval_every": (1, 10**6),
+        "max_steps": (1, 10**6),
+        "seed": (0, 2**31),
+        "train_size": (1, 10_000),
+        "test_size": (1, 10_000),
+        "batch_size": (1, 4096),
+        "epochs": (1, 100),
+    }
     for key, (lo, hi) in ints.items():
         value = s[key]
         if (value is None and key in ("eval_every", "max_steps")) or (type(value) is int and lo <= value <= hi):
             continue
-        raise ValueError(f"{key}={value!r}: expected an int from {lo} to {hi}"
-                         + (" or None" if key in ("eval_every", "max_steps") else ""))
+        raise ValueError(
+            f"{key}={value!r}: expected an int from {lo} to {hi}"
+            + (" or None" if key in ("eval_every", "max_steps") else "")
+        )
     if not (isinstance(s["lr"], float) and 0 < s["lr"] < 1):
         raise ValueError(f"lr={s['lr']!r}: expected a float between 0 and 1")
     if s["persistent_workers"] and (s["num_workers"] == 0 or s["data"] == "device"):
@@ -77,6 +97,7 @@ def validate_settings(settings: object) -> dict:
 
 
 # --------------------------------------------------------------------------- the data
+
 
 @functools.cache
 def _uint8(train_size: int, test_size: int) -> tuple[torch.Tensor, ...]:
@@ -122,20 +143,29 @@ def _batches(s: dict, images: torch.Tensor, labels: torch.Tensor, device: torch.
         def epoch():
             order = torch.tensor(list(sampler), device=device) if sampler else torch.arange(len(y), device=device)
             for i in range(0, len(y), s["batch_size"]):
-                idx = order[i:i + s["batch_size"]]
+                idx = order[i : i + s["batch_size"]]
                 yield x[idx], y[idx]
 
         class _Epochs:  # re-iterable like a DataLoader; the sampler advances one epoch per pass
             def __iter__(self):
                 return epoch()
+
         return _Epochs()
-    dataset = PerSampleImages(images, labels) if s["data"] == "per_sample" else \
-        TensorDataset(_normalise(images), labels)
-    return make_loader(dataset, s["batch_size"], shuffle=shuffle, seed=s["seed"], num_workers=s["num_workers"],
-                       persistent_workers=s["persistent_workers"])
+    dataset = (
+        PerSampleImages(images, labels) if s["data"] == "per_sample" else TensorDataset(_normalise(images), labels)
+    )
+    return make_loader(
+        dataset,
+        s["batch_size"],
+        shuffle=shuffle,
+        seed=s["seed"],
+        num_workers=s["num_workers"],
+        persistent_workers=s["persistent_workers"],
+    )
 
 
 # --------------------------------------------------------------------------- the script
+
 
 def run_script(settings: dict | None = None, device: str = "auto") -> dict:
     """Chapter 09: train an MLP on the shipped Fashion-MNIST as `settings` say (SLOW, updated).
@@ -189,12 +219,21 @@ def run_script(settings: dict | None = None, device: str = "auto") -> dict:
                     evaluate()
                     evals += 1
     accuracy = evaluate()
-    return {"seconds": time.perf_counter() - t0, "accuracy": accuracy, "steps": steps,
-            "samples": samples, "evaluations": evals + 1, "losses_read": len(log),
-            "precision": precision, "device": str(dev)}
+    return {
+        "seconds": time.perf_counter() - t0,
+        "accuracy": accuracy,
+        "steps": steps,
+        "samples": samples,
+        "evaluations": evals + 1,
+        "losses_read": len(log),
+        "precision": precision,
+        "device": str(dev),
+    }
 
 
 def format_result(label: str, r: dict) -> str:
     """Chapter 09: one run_script result on one line (at most 100 characters)."""
-    return (f"{label[:20]:<20}{r['seconds']:>6.2f} s  accuracy {r['accuracy']:.3f}  {r['steps']} steps"
-            f"  {r['samples']:,} samples  {r['evaluations']} evaluations  {r['losses_read']} .item()")
+    return (
+        f"{label[:20]:<20}{r['seconds']:>6.2f} s  accuracy {r['accuracy']:.3f}  {r['steps']} steps"
+        f"  {r['samples']:,} samples  {r['evaluations']} evaluations  {r['losses_read']} .item()"
+    )

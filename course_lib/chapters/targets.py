@@ -4,6 +4,7 @@ Chapter 09 records the ladders on a GPU (`python -m course_lib.chapters.ladder .
 turns their rows into ratios measured in one run, each beside its target and a stretch goal, and
 `format_targets` prints them. Nothing here is typed in: a goal nobody measured is "n/a".
 """
+
 from __future__ import annotations
 
 __all__ = ["TARGETS", "targets", "format_targets"]
@@ -11,23 +12,40 @@ __all__ = ["TARGETS", "targets", "format_targets"]
 # What the course's own loop must reach on an H100/H200, as ratios measured in one run:
 # (target, stretch goal or None). Targets: NVIDIA's single-A100 ResNet-50 AMP figure, nanoGPT's MFU;
 # stretch: 3,200 images/s, 0.60x memory, and llm.c's 40% MFU.
-TARGETS = {"resnet50_img_s": (2470.0, 3200.0), "amp_vs_strict_fp32": (3.0, None), "amp_vs_tf32": (1.8, None),
-           "amp_memory_vs_fp32": (0.65, 0.60), "gpt_mfu": (0.33, 0.40), "data_wait": (0.05, None)}
+TARGETS = {
+    "resnet50_img_s": (2470.0, 3200.0),
+    "amp_vs_strict_fp32": (3.0, None),
+    "amp_vs_tf32": (1.8, None),
+    "amp_memory_vs_fp32": (0.65, 0.60),
+    "gpt_mfu": (0.33, 0.40),
+    "data_wait": (0.05, None),
+}
 
 
-def targets(resnet_rows: list[dict], gpt_rows: list[dict] | None = None,
-            course_rows: list[dict] | None = None) -> list[dict]:
+def targets(
+    resnet_rows: list[dict], gpt_rows: list[dict] | None = None, course_rows: list[dict] | None = None
+) -> list[dict]:
     """Chapter 09: the course's performance targets computed from ladder rows: value, target, stretch, met.
 
     MFU is the GPT's full recipe (its last rung) against the one peak its rows name; the data wait
     is the least share of step time the course's model spent in next() on a DataLoader-fed rung."""
+
     def row(prefix: str, channels_last: bool = False) -> dict | None:
-        return next((r for r in resnet_rows if r["mode"].startswith(prefix) and "ms_per_step" in r
-                     and r.get("channels_last") == channels_last), None)
+        return next(
+            (
+                r
+                for r in resnet_rows
+                if r["mode"].startswith(prefix) and "ms_per_step" in r and r.get("channels_last") == channels_last
+            ),
+            None,
+        )
 
     fp32, tf32_row = row("FP32"), row("TF32")
-    amp = max((r for r in resnet_rows if r["mode"].startswith("AMP") and "ms_per_step" in r),
-              key=lambda r: r["samples_per_s"], default=None)
+    amp = max(
+        (r for r in resnet_rows if r["mode"].startswith("AMP") and "ms_per_step" in r),
+        key=lambda r: r["samples_per_s"],
+        default=None,
+    )
     amp_same_layout = row(amp["mode"].split(" +")[0], False) if amp else None
 
     def ratio(a: dict | None, b: dict | None, key: str) -> float | None:
@@ -36,24 +54,40 @@ def targets(resnet_rows: list[dict], gpt_rows: list[dict] | None = None,
     timed_gpt = [r for r in gpt_rows or [] if "ms_per_step" in r]
     full_recipe_mfu = timed_gpt[-1].get("mfu") if timed_gpt else None
     fed = [r["data_wait"] for r in course_rows or [] if r.get("feed") in ("loader", "workers") and "data_wait" in r]
-    out = [("ResNet-50 best AMP images/s", amp["samples_per_s"] if amp else None, "resnet50_img_s", ">="),
-           ("ResNet-50 speed, best AMP / strict FP32", ratio(amp, fp32, "samples_per_s"), "amp_vs_strict_fp32", ">="),
-           ("ResNet-50 speed, best AMP / TF32", ratio(amp, tf32_row, "samples_per_s"), "amp_vs_tf32", ">="),
-           ("ResNet-50 peak memory, AMP / FP32 (same batch, NCHW)",
-            ratio(amp_same_layout, fp32, "peak_memory_gib"), "amp_memory_vs_fp32", "<="),
-           ("GPT MFU, full recipe, against one named peak", full_recipe_mfu, "gpt_mfu", ">="),
-           ("data wait, course model, best-fed DataLoader rung", min(fed, default=None), "data_wait", "<=")]
+    out = [
+        ("ResNet-50 best AMP images/s", amp["samples_per_s"] if amp else None, "resnet50_img_s", ">="),
+        ("ResNet-50 speed, best AMP / strict FP32", ratio(amp, fp32, "samples_per_s"), "amp_vs_strict_fp32", ">="),
+        ("ResNet-50 speed, best AMP / TF32", ratio(amp, tf32_row, "samples_per_s"), "amp_vs_tf32", ">="),
+        (
+            "ResNet-50 peak memory, AMP / FP32 (same batch, NCHW)",
+            ratio(amp_same_layout, fp32, "peak_memory_gib"),
+            "amp_memory_vs_fp32",
+            "<=",
+        ),
+        ("GPT MFU, full recipe, against one named peak", full_recipe_mfu, "gpt_mfu", ">="),
+        ("data wait, course model, best-fed DataLoader rung", min(fed, default=None), "data_wait", "<="),
+    ]
 
     def meets(value: float | None, goal: float | None, sense: str) -> bool | None:
         return None if value is None or goal is None else (value >= goal if sense == ">=" else value <= goal)
 
-    return [{"goal": goal, "value": value, "target": TARGETS[key][0], "stretch": TARGETS[key][1], "sense": sense,
-             "met": meets(value, TARGETS[key][0], sense), "stretch_met": meets(value, TARGETS[key][1], sense)}
-            for goal, value, key, sense in out]
+    return [
+        {
+            "goal": goal,
+            "value": value,
+            "target": TARGETS[key][0],
+            "stretch": TARGETS[key][1],
+            "sense": sense,
+            "met": meets(value, TARGETS[key][0], sense),
+            "stretch_met": meets(value, TARGETS[key][1], sense),
+        }
+        for goal, value, key, sense in out
+    ]
 
 
 def format_targets(rows: list[dict]) -> str:
     """Chapter 09: targets() as an aligned table within 100 columns; 'n/a' where nothing measured the goal."""
+
     def num(v: float) -> str:  # images/s as a whole number, ratios and MFU with two decimals
         return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.2f}"
 
@@ -65,6 +99,8 @@ def format_targets(rows: list[dict]) -> str:
         value = "n/a" if r["value"] is None else num(r["value"])
         has_stretch = r.get("stretch") is not None
         stretch = r["sense"] + " " + num(r["stretch"]) if has_stretch else "-"
-        out.append(f"{r['goal'][:53]:<54}{value:>9}{r['sense'] + ' ' + num(r['target']):>11}{word(r['met']):>5}"
-                   f"{stretch:>11}{word(r.get('stretch_met')) if has_stretch else '-':>5}")
+        out.append(
+            f"{r['goal'][:53]:<54}{value:>9}{r['sense'] + ' ' + num(r['target']):>11}{word(r['met']):>5}"
+            f"{stretch:>11}{word(r.get('stretch_met')) if has_stretch else '-':>5}"
+        )
     return "\n".join(out)

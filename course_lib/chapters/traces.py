@@ -10,6 +10,7 @@ in microseconds. Perfetto (https://ui.perfetto.dev) shows it; this module reads 
     diagnose(summary)                  # ('data', 'more_workers'), ('overhead', ...), ('compute', ...)
     plot_timeline(trace)               # the profiled steps as a picture
 """
+
 from __future__ import annotations
 
 import gzip
@@ -21,13 +22,15 @@ import statistics
 __all__ = ["FIXES", "load_trace", "trace_summary", "diagnose", "format_summary", "matmul_share", "plot_timeline"]
 
 # What to do about each diagnosis (diagnose() returns the key).
-FIXES = {"more_workers": "load and transform batches in DataLoader workers (num_workers > 0; chapter 07)",
-         "fewer_launches": "fewer, larger ops: bigger batches, foreach/fused optimizers, torch.compile, CUDA graphs",
-         "amp": "run the big matmuls and convolutions in bf16/fp16 under autocast (chapter 02)",
-         "fewer_flops": "already busy in low precision: fewer FLOPs (smaller model or batch) or a faster GPU"}
+FIXES = {
+    "more_workers": "load and transform batches in DataLoader workers (num_workers > 0; chapter 07)",
+    "fewer_launches": "fewer, larger ops: bigger batches, foreach/fused optimizers, torch.compile, CUDA graphs",
+    "amp": "run the big matmuls and convolutions in bf16/fp16 under autocast (chapter 02)",
+    "fewer_flops": "already busy in low precision: fewer FLOPs (smaller model or batch) or a faster GPU",
+}
 PHASE_COLORS = {"data": "tab:gray", "forward": "tab:blue", "backward": "tab:orange", "optimizer": "tab:green"}
 _KERNELS = ("kernel", "gpu_memcpy", "gpu_memset")  # what runs on the GPU
-_LAUNCHES = ("cuda_runtime", "cuda_driver")         # the CPU-side calls that queue it (cudaLaunchKernel, ...)
+_LAUNCHES = ("cuda_runtime", "cuda_driver")  # the CPU-side calls that queue it (cudaLaunchKernel, ...)
 
 
 def _cut(text: str, n: int) -> str:
@@ -54,14 +57,23 @@ def _parse(trace: dict) -> dict:
     """The profiled steps, the top-level CPU events (with their step and phase), the kernels as
     (ts, dur, the op that ran it, its top-level op), and the memory samples."""
     evs = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    steps = sorted((e for e in evs if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")),
-                   key=lambda e: e["ts"])
+    steps = sorted(
+        (e for e in evs if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")),
+        key=lambda e: e["ts"],
+    )
     if not steps:
         raise ValueError("no ProfilerStep# events: profile with a schedule and call prof.step() after each step")
     t0, t_end = steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
-    nest = sorted((e for e in evs if e.get("cat") in ("cpu_op", "user_annotation") + _LAUNCHES
-                   and not e["name"].startswith("ProfilerStep#") and t0 <= e["ts"] < t_end),
-                  key=lambda e: (e.get("tid"), e["ts"], -e["dur"]))
+    nest = sorted(
+        (
+            e
+            for e in evs
+            if e.get("cat") in ("cpu_op", "user_annotation") + _LAUNCHES
+            and not e["name"].startswith("ProfilerStep#")
+            and t0 <= e["ts"] < t_end
+        ),
+        key=lambda e: (e.get("tid"), e["ts"], -e["dur"]),
+    )
     stack: list[dict] = []
     for e in nest:  # parent = the innermost event still open on the same thread; _inner = time in children
         end = e["ts"] + 1e-3
@@ -85,16 +97,20 @@ def _parse(trace: dict) -> dict:
             kernels.append((k["ts"], k["dur"], up(launch, False), up(launch, True)))
     gpu = bool(kernels)
     if not gpu:  # on a CPU, the ops that do their own work (self time >= half their time) are the kernels
-        kernels = [(e["ts"], e["dur"] - e["_inner"], e, up(e, True)) for e in nest
-                   if e.get("cat") == "cpu_op" and e["dur"] - e["_inner"] >= 0.5 * e["dur"]]
+        kernels = [
+            (e["ts"], e["dur"] - e["_inner"], e, up(e, True))
+            for e in nest
+            if e.get("cat") == "cpu_op" and e["dur"] - e["_inner"] >= 0.5 * e["dur"]
+        ]
     tops = [e for e in nest if e["_parent"] is None and e.get("cat") not in _LAUNCHES]
     for i, s in enumerate(steps):  # backward starts at the step's first autograd function
         inside = [e for e in tops if s["ts"] <= e["ts"] < s["ts"] + s["dur"]]
         first_backward = min((e["ts"] for e in inside if e["name"].startswith("autograd::engine")), default=t_end)
         for e in inside:
             e["_step"], e["_phase"] = i, _phase(e, first_backward)
-    memory = [(e["ts"], e["args"]) for e in trace["traceEvents"]
-              if e.get("name") == "[memory]" and t0 <= e["ts"] < t_end]
+    memory = [
+        (e["ts"], e["args"]) for e in trace["traceEvents"] if e.get("name") == "[memory]" and t0 <= e["ts"] < t_end
+    ]
     return {"steps": steps, "t0": t0, "tops": tops, "kernels": kernels, "memory": memory, "gpu": gpu}
 
 
@@ -113,6 +129,7 @@ def trace_summary(trace: dict) -> dict:
     def row(name: str) -> dict:
         per_step = {f: [0.0] * n for f in ("calls", "cpu_ms", "device_ms", "kernels")}
         return rows.setdefault(name, {"name": name, **per_step, "by": {}})
+
     for e in p["tops"]:
         r = row(e["name"])
         r["calls"][e["_step"]] += 1
@@ -129,9 +146,12 @@ def trace_summary(trace: dict) -> dict:
         r["input_types"] = [t for t in max(by, key=by.get) if t] if by else []
         for f in ("calls", "cpu_ms", "device_ms", "kernels"):
             r[f] = statistics.median(r[f])
-    return {"device": "cuda" if p["gpu"] else "cpu", "steps": n,
-            "step_ms": statistics.median(s["dur"] for s in p["steps"]) / 1e3,
-            "ops": sorted(rows.values(), key=lambda r: -max(r["cpu_ms"], r["device_ms"]))}
+    return {
+        "device": "cuda" if p["gpu"] else "cpu",
+        "steps": n,
+        "step_ms": statistics.median(s["dur"] for s in p["steps"]) / 1e3,
+        "ops": sorted(rows.values(), key=lambda r: -max(r["cpu_ms"], r["device_ms"])),
+    }
 
 
 def _stats(summary: dict) -> dict:
@@ -174,9 +194,11 @@ def format_summary(summaries: dict[str, dict], width: int = 100) -> str:
     for label, summ in summaries.items():
         s = _stats(summ)
         top = max(summ["ops"], key=lambda r: max(r["cpu_ms"], r["device_ms"]))
-        out.append(f"{label:<10}{summ['step_ms']:>7.1f}{s['data']:>6.0%}{s['busy']:>6.0%}{s['kernels']:>8.0f}"
-                   f"{s['kernel_us']:>9.1f}  {_cut(top['name'], width - 55)} "
-                   f"({max(top['cpu_ms'], top['device_ms']) / summ['step_ms']:.0%})")
+        out.append(
+            f"{label:<10}{summ['step_ms']:>7.1f}{s['data']:>6.0%}{s['busy']:>6.0%}{s['kernels']:>8.0f}"
+            f"{s['kernel_us']:>9.1f}  {_cut(top['name'], width - 55)} "
+            f"({max(top['cpu_ms'], top['device_ms']) / summ['step_ms']:.0%})"
+        )
     return "\n".join(out)
 
 
@@ -187,17 +209,30 @@ def plot_timeline(trace: dict, title: str = ""):
 
     p = _parse(trace)
     mem = p["memory"]
-    fig, axes = plt.subplots(2 if mem else 1, 1, figsize=(10, 4.4 if mem else 2.6), sharex=True, squeeze=False,
-                             gridspec_kw={"height_ratios": [1.3, 1] if mem else [1]})
+    fig, axes = plt.subplots(
+        2 if mem else 1,
+        1,
+        figsize=(10, 4.4 if mem else 2.6),
+        sharex=True,
+        squeeze=False,
+        gridspec_kw={"height_ratios": [1.3, 1] if mem else [1]},
+    )
     ax, ms = axes[0][0], lambda ts: (ts - p["t0"]) / 1e3
-    lanes = {"CPU: ops your code called": [(ms(e["ts"]), e["dur"] / 1e3, e["_phase"]) for e in p["tops"]],
-             "GPU: kernels" if p["gpu"] else "CPU: ops doing the work":
-             [(ms(ts), dur / 1e3, top.get("_phase", "forward")) for ts, dur, _, top in p["kernels"]]}
+    lanes = {
+        "CPU: ops your code called": [(ms(e["ts"]), e["dur"] / 1e3, e["_phase"]) for e in p["tops"]],
+        "GPU: kernels" if p["gpu"] else "CPU: ops doing the work": [
+            (ms(ts), dur / 1e3, top.get("_phase", "forward")) for ts, dur, _, top in p["kernels"]
+        ],
+    }
     present = {q for bars in lanes.values() for *_, q in bars}
     for y, bars in enumerate(lanes.values()):
         for ph, color in PHASE_COLORS.items():
-            ax.broken_barh([(a, w) for a, w, q in bars if q == ph], (y - 0.3, 0.6), color=color,
-                           label=ph if y == 0 and ph in present else None)
+            ax.broken_barh(
+                [(a, w) for a, w, q in bars if q == ph],
+                (y - 0.3, 0.6),
+                color=color,
+                label=ph if y == 0 and ph in present else None,
+            )
     for s in p["steps"]:
         ax.axvline(ms(s["ts"]), color="k", lw=0.8, ls="--")
         ax.text(ms(s["ts"]), -0.45, f" {s['name'].replace('ProfilerStep#', 'step ')}", fontsize=8, va="bottom")

@@ -16,6 +16,7 @@ Everything else runs from the command line (the Makefile wraps each):
   colab      stamps the Colab badge and setup cell into every notebook (make stamp)
   nbtools    strips outputs, refreshes the outputs nbval compares
 """
+
 __all__ = ["check"]
 
 
@@ -24,5 +25,6 @@ def __getattr__(name: str):
     # module already imported by its own package.
     if name == "check":
         from .grading import check
+
         return check
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,6 +5,7 @@ The repository and ref live in pyproject.toml under [tool.amp-course];
 cell 1 (setup) of every notebook, so a fork or a workshop tag changes one line, not forty
 notebooks.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,7 @@ BADGE_ID, SETUP_ID = "colab-badge", "colab-setup"
 CLONE_DIR = "/content/amp-course"
 
 # Cell 1. Colab shows "# @title" cells collapsed, as a form; the why is in cell 0's markdown.
-SETUP_TEMPLATE = '''\
+SETUP_TEMPLATE = """\
 # @title Setup: fetch the course on Colab, then print this machine's hardware
 import os, subprocess, sys
 if "google.colab" in sys.modules and not os.path.isdir("{clone_dir}"):
@@ -31,7 +32,7 @@ if "google.colab" in sys.modules and not os.path.isdir("{clone_dir}"):
                    shell=True, check=True)
 sys.path.insert(0, "{clone_dir}")  # import it without a restart; off Colab: no such folder
 from course_lib.device import hardware_report
-print(hardware_report())'''
+print(hardware_report())"""
 
 # Cell 0: the badge, and what the setup cell does (and does not do) in words.
 BADGE_TEMPLATE = """\
@@ -47,6 +48,7 @@ def read_config(root: Path = ROOT) -> dict[str, str]:
     text = (root / "pyproject.toml").read_text()
     try:
         import tomllib  # Python >= 3.11
+
         cfg = tomllib.loads(text)["tool"]["amp-course"]
     except ModuleNotFoundError:  # Python 3.10: the table is two plain `key = "value"` lines
         block = text.split("[tool.amp-course]", 1)[1].split("\n[", 1)[0]
@@ -67,9 +69,14 @@ def setup_source(cfg: dict[str, str]) -> str:
 # version (it is the reader's machine's, not the course's: course_lib.tooling.lab adds it on opening
 # and removes it on saving, so reading a notebook in `make lab` never changes the file).
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
-LANGUAGE_INFO = {"codemirror_mode": {"name": "ipython", "version": 3}, "file_extension": ".py",
-                 "mimetype": "text/x-python", "name": "python", "nbconvert_exporter": "python",
-                 "pygments_lexer": "ipython3"}
+LANGUAGE_INFO = {
+    "codemirror_mode": {"name": "ipython", "version": 3},
+    "file_extension": ".py",
+    "mimetype": "text/x-python",
+    "name": "python",
+    "nbconvert_exporter": "python",
+    "pygments_lexer": "ipython3",
+}
 
 
 def stamp_notebook(nb: nbformat.NotebookNode, relpath: str, cfg: dict[str, str] | None = None) -> bool:

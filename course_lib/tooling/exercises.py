@@ -7,6 +7,7 @@ Each solution in solutions/NN_x.ipynb keeps its answers between `### BEGIN SOLUT
 the exercise is the same notebook with each answer replaced by a stub. A test fails while
 exercises/ is stale, so the two cannot drift.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,8 +79,9 @@ def exercise_text(solution: Path, cfg: dict[str, str] | None = None) -> str:
     return nbformat.writes(nb) + "\n"
 
 
-def generate(solutions_dir: Path = ROOT / "solutions", exercises_dir: Path = ROOT / "exercises",
-             check: bool = False) -> list[Path]:
+def generate(
+    solutions_dir: Path = ROOT / "solutions", exercises_dir: Path = ROOT / "exercises", check: bool = False
+) -> list[Path]:
     """Write exercises/NN_x.ipynb from every solutions/NN_x.ipynb (make exercises).
 
     Returns the exercise paths that were (check=True: would be) written or deleted. A stale
@@ -102,8 +104,9 @@ def generate(solutions_dir: Path = ROOT / "solutions", exercises_dir: Path = ROO
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m course_lib.tooling.exercises",
-                                description="write exercises/ from solutions/")
+    p = argparse.ArgumentParser(
+        prog="python -m course_lib.tooling.exercises", description="write exercises/ from solutions/"
+    )
     p.add_argument("--check", action="store_true", help="write nothing; list stale exercises, exit 1 if any")
     args = p.parse_args(argv)
     paths = generate(check=args.check)

@@ -15,6 +15,7 @@ the plain-data answers that come back against references it computes itself
 - Resumable: a rerun skips submissions already finished in gradebook.jsonl; if the grader itself
   is killed, at most the submissions in flight are graded again (--restart starts afresh).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,7 +48,7 @@ CSV_FIELDS = ("student", "notebook", "exercise", "points", "max_points", "passed
 @dataclass(frozen=True)
 class Submission:
     path: Path
-    notebook: str        # path relative to the submissions folder: the submission's identity
+    notebook: str  # path relative to the submissions folder: the submission's identity
     student: str
     chapter: str | None  # from the file name only
     counted_instead: str | None = None  # set for a duplicate: the notebook graded in its place
@@ -61,8 +62,9 @@ def find_submissions(folder: Path) -> list[Submission]:
     for p in paths:
         rel = p.relative_to(folder)
         m = re.match(r"(\d{2})_", p.name)
-        subs.append(Submission(p, rel.as_posix(), rel.parts[0] if len(rel.parts) > 1 else p.stem,
-                               m.group(1) if m else None))
+        subs.append(
+            Submission(p, rel.as_posix(), rel.parts[0] if len(rel.parts) > 1 else p.stem, m.group(1) if m else None)
+        )
     official = {p.name for p in (ROOT / "exercises").glob("*.ipynb")}
     by_slot: dict[tuple[str, str], list[Submission]] = {}
     for s in subs:
@@ -78,9 +80,16 @@ def find_submissions(folder: Path) -> list[Submission]:
 
 def _row(sub: Submission, check: Check | None, passed: bool, status: str, message: str) -> dict:
     points = check.points if check else 0
-    return {"student": sub.student, "notebook": sub.notebook, "exercise": check.name if check else "",
-            "points": points if passed else 0, "max_points": points, "passed": passed, "status": status,
-            "message": message}
+    return {
+        "student": sub.student,
+        "notebook": sub.notebook,
+        "exercise": check.name if check else "",
+        "points": points if passed else 0,
+        "max_points": points,
+        "passed": passed,
+        "status": status,
+        "message": message,
+    }
 
 
 class Gradebook:
@@ -139,8 +148,14 @@ def _course_digest(library: Path | None = None) -> str:
     and the learner library that every sandbox of this run shares."""
     h = hashlib.sha256()
     for top in [ROOT] + ([Path(library)] if library else []):
-        files = sorted([*(top / "course_lib").rglob("*.py"), *(top / "data").glob("*.npz"),
-                        *(top / "extra_probes").glob("*.py"), top / "pyproject.toml"])
+        files = sorted(
+            [
+                *(top / "course_lib").rglob("*.py"),
+                *(top / "data").glob("*.npz"),
+                *(top / "extra_probes").glob("*.py"),
+                top / "pyproject.toml",
+            ]
+        )
         for p in files:
             if p.exists():
                 h.update(p.relative_to(top).as_posix().encode())
@@ -176,25 +191,43 @@ def grade_submission(sub: Submission, opts: Options, book: Gradebook, digest: st
     except Exception as e:
         checks, problem = [], f"the checks of chapter {sub.chapter} could not be loaded: {e}"
     else:
-        problem = "" if checks else (f"there are no checks for chapter {sub.chapter}" if sub.chapter else
-                                     "the file name does not say which exercise this is: name it NN_....ipynb, "
-                                     "e.g. 01_formats_exercises.ipynb")
+        problem = (
+            ""
+            if checks
+            else (
+                f"there are no checks for chapter {sub.chapter}"
+                if sub.chapter
+                else "the file name does not say which exercise this is: name it NN_....ipynb, "
+                "e.g. 01_formats_exercises.ipynb"
+            )
+        )
     if sub.counted_instead:
         for c in checks:
-            emit(c, "duplicate", f"another notebook of yours for chapter {sub.chapter} is graded: "
-                                 f"{sub.counted_instead}")
+            emit(
+                c, "duplicate", f"another notebook of yours for chapter {sub.chapter} is graded: {sub.counted_instead}"
+            )
     elif problem:
         emit(None, "not graded", problem)
     else:
         _run_in_sandbox(sub, checks, opts, emit)
     if _course_digest(opts.library) != digest:  # only at the session level: the namespaces make it read-only
-        rows = [{**r, "points": 0, "passed": False, "status": "failed",
-                 "message": "this notebook changed the course's own files; its points are withdrawn"} for r in rows]
+        rows = [
+            {
+                **r,
+                "points": 0,
+                "passed": False,
+                "status": "failed",
+                "message": "this notebook changed the course's own files; its points are withdrawn",
+            }
+            for r in rows
+        ]
         for row in rows:
             book.record(sub, run, row)
         book.finish(sub, run, rows)
-        raise RuntimeError(f"the course's files changed while {sub.notebook} was graded: restore them "
-                           "(git checkout -- course_lib data), then grade in a container")
+        raise RuntimeError(
+            f"the course's files changed while {sub.notebook} was graded: restore them "
+            "(git checkout -- course_lib data), then grade in a container"
+        )
     book.finish(sub, run, rows)
     return rows
 
@@ -215,14 +248,23 @@ def _run_in_sandbox(sub: Submission, checks: list[Check], opts: Options, emit) -
         if opts.level == "namespaces":
             env.update(sandbox.namespace_env(box, opts.library, [opts.workspace, *opts.hidden]))
         shutil.copy(sub.path, box / "work" / sub.path.name)
-        limits = {"as": 0 if _cuda_visible() else int(opts.memory_gb * 2**30),  # CUDA reserves more address space
-                  "cpu": int(opts.total_timeout * 2)}
+        limits = {
+            "as": 0 if _cuda_visible() else int(opts.memory_gb * 2**30),  # CUDA reserves more address space
+            "cpu": int(opts.total_timeout * 2),
+        }
 
         def start(faults: Faults) -> Attempt:
             return Attempt(box, opts.level, env, box / "kernel.log", faults, limits)
 
-        faults = run_submission(box / "work" / sub.path.name, checks, cases, start, opts.cell_timeout,
-                                time.monotonic() + opts.total_timeout, emit)
+        faults = run_submission(
+            box / "work" / sub.path.name,
+            checks,
+            cases,
+            start,
+            opts.cell_timeout,
+            time.monotonic() + opts.total_timeout,
+            emit,
+        )
         if os.environ.get("AMP_GRADER_DEBUG"):
             print(sub.notebook, json.dumps(faults.outcomes), file=sys.stderr)
     finally:
@@ -243,30 +285,48 @@ def choose_level(requested: str) -> str:
     return "session"
 
 
-def grade_folder(submissions: Path, out_dir: Path, *, jobs: int = 2, cell_timeout: float = 60,
-                 total_timeout: float = 900, memory_gb: float = 6, isolation: str = "auto",
-                 restart: bool = False) -> list[dict]:
+def grade_folder(
+    submissions: Path,
+    out_dir: Path,
+    *,
+    jobs: int = 2,
+    cell_timeout: float = 60,
+    total_timeout: float = 900,
+    memory_gb: float = 6,
+    isolation: str = "auto",
+    restart: bool = False,
+) -> list[dict]:
     """Grade every notebook under `submissions` into out_dir/gradebook.{jsonl,csv,json}; returns all rows."""
     started = time.monotonic()
     level = choose_level(isolation)
     if level == "namespaces":
-        print("grader: each submission runs in its own namespaces: no network, no other processes, "
-              "every file read-only except its sandbox")
+        print(
+            "grader: each submission runs in its own namespaces: no network, no other processes, "
+            "every file read-only except its sandbox"
+        )
     else:
         why = "as asked (--isolation session)" if isolation == "session" else "this machine cannot create namespaces"
-        print(f"grader: WARNING: no namespace isolation ({why}): a submission could read and write your files and "
-              "signal your processes. Every process it starts is still killed and the course's files are checked "
-              "after each one. Grade untrusted submissions this way only in a container or VM.")
+        print(
+            f"grader: WARNING: no namespace isolation ({why}): a submission could read and write your files and "
+            "signal your processes. Every process it starts is still killed and the course's files are checked "
+            "after each one. Grade untrusted submissions this way only in a container or VM."
+        )
     workspace = Path(tempfile.mkdtemp(prefix="amp-grade-"))
     library = sandbox.learner_library(workspace)
-    opts = Options(cell_timeout, total_timeout, memory_gb, level, workspace, library,
-                   (Path(submissions).resolve(), Path(out_dir).resolve()))
+    opts = Options(
+        cell_timeout,
+        total_timeout,
+        memory_gb,
+        level,
+        workspace,
+        library,
+        (Path(submissions).resolve(), Path(out_dir).resolve()),
+    )
     book = Gradebook(out_dir, restart)
     subs = find_submissions(submissions)
     todo = [s for s in subs if s.notebook not in book.finished]
     if len(todo) < len(subs):
-        print(f"grader: resuming: {len(subs) - len(todo)} of {len(subs)} submissions already graded in "
-              f"{book.journal}")
+        print(f"grader: resuming: {len(subs) - len(todo)} of {len(subs)} submissions already graded in {book.journal}")
     digest = _course_digest(library)
     pool = ThreadPoolExecutor(max(1, jobs))
     try:
@@ -289,14 +349,17 @@ def _print_summary(subs: list[Submission], book: Gradebook, seconds: float, out_
         for r in rows:
             statuses[r["status"]] = statuses.get(r["status"], 0) + 1
         pts = f"{sum(r['points'] for r in rows)}/{sum(r['max_points'] for r in rows)}"
-        print(f"{s.student[:16]:<16} {s.notebook:<{width}}  {pts:>7}  "
-              + ", ".join(f"{n} {k}" for k, n in statuses.items()))
+        print(
+            f"{s.student[:16]:<16} {s.notebook:<{width}}  {pts:>7}  "
+            + ", ".join(f"{n} {k}" for k, n in statuses.items())
+        )
     print(f"{len(subs)} submission(s) in {seconds:.0f} s -> {out_dir / 'gradebook.csv'}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m course_lib.tooling.grader",
-                                description="grade a folder of submitted exercise notebooks")
+    p = argparse.ArgumentParser(
+        prog="python -m course_lib.tooling.grader", description="grade a folder of submitted exercise notebooks"
+    )
     p.add_argument("submissions", type=Path)
     p.add_argument("--out", type=Path, default=Path("gradebook"))
     p.add_argument("--jobs", type=int, default=2, help="submissions graded at once (default 2)")
@@ -309,9 +372,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.submissions.is_dir():
         p.error(f"{args.submissions} is not a folder of submissions")
     try:
-        grade_folder(args.submissions, args.out, jobs=args.jobs, cell_timeout=args.cell_timeout,
-                     total_timeout=args.total_timeout, memory_gb=args.memory_gb, isolation=args.isolation,
-                     restart=args.restart)
+        grade_folder(
+            args.submissions,
+            args.out,
+            jobs=args.jobs,
+            cell_timeout=args.cell_timeout,
+            total_timeout=args.total_timeout,
+            memory_gb=args.memory_gb,
+            isolation=args.isolation,
+            restart=args.restart,
+        )
     except RuntimeError as e:
         print(f"grader: stopped: {e}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ probe, through `serve`, in the submission's sandboxed kernel, which holds no che
 nothing a kernel prints, returns or writes can claim a pass, only values that the grader compares
 with answers it computed itself.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,9 +41,27 @@ from typing import Any, Callable, Iterator
 
 from . import probes
 
-__all__ = ["Check", "CheckFailure", "in_fresh_process", "register", "check", "run_check", "get_check",
-           "checks_for", "to_plain", "run_task", "expect_number", "expect_numbers", "expect_list", "expect_dict",
-           "respond", "judge_response", "serve", "STATUSES", "ANSWER_FD_ENV"]
+__all__ = [
+    "Check",
+    "CheckFailure",
+    "in_fresh_process",
+    "register",
+    "check",
+    "run_check",
+    "get_check",
+    "checks_for",
+    "to_plain",
+    "run_task",
+    "expect_number",
+    "expect_numbers",
+    "expect_list",
+    "expect_dict",
+    "respond",
+    "judge_response",
+    "serve",
+    "STATUSES",
+    "ANSWER_FD_ENV",
+]
 
 NAME_RE = re.compile(r"^(\d{2})\.[A-Za-z0-9_]+$")
 STUB = 'raise NotImplementedError("Exercise: write your solution here")'
@@ -68,6 +87,7 @@ class Check:
     learner's own code must not call while run() executes (detected where Python lets us see it);
     forbidden_why: what the task asks instead; time_limit: seconds for run() over all cases.
     """
+
     name: str = ""
     args: tuple[str, ...] = ()
     points: int = 1
@@ -113,8 +133,14 @@ def in_fresh_process(module: str, args: list, limit: float, what: str) -> Any:
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     try:
-        done = subprocess.run([sys.executable, "-m", module, json.dumps(args)], capture_output=True, text=True,
-                              timeout=limit, cwd=root, env=env)
+        done = subprocess.run(
+            [sys.executable, "-m", module, json.dumps(args)],
+            capture_output=True,
+            text=True,
+            timeout=limit,
+            cwd=root,
+            env=env,
+        )
     except subprocess.TimeoutExpired:
         raise CheckFailure(f"{what} took over {limit:.0f} s") from None
     if done.returncode != 0:
@@ -138,11 +164,13 @@ def register(cls: type[Check]) -> type[Check]:
 
 def _load(chapter: str | None = None) -> None:
     from course_lib.tooling import checks
+
     checks.load(chapter)  # imports chNN.py (or every chapter), which registers its checks
 
 
 def _load_errors(chapter: str) -> str:
     from course_lib.tooling import checks
+
     return "; ".join(f"{k}: {v}" for k, v in checks.errors.items() if k == f"ch{chapter}" or not k.startswith("ch"))
 
 
@@ -166,6 +194,7 @@ def checks_for(chapter: str) -> list[Check]:
 
 
 # --------------------------------------------------------------------------- answers of the right shape
+
 
 def _kind(value: Any) -> str:
     """How a plain value is named in a message: 'a list of 3', 'the number 2.5', 'None'."""
@@ -223,6 +252,7 @@ def expect_numbers(value: Any, where: str, length: int | None = None, *, finite:
 
 # --------------------------------------------------------------------------- plain data
 
+
 def _short(value: Any, limit: int = 80) -> str:
     try:
         text = repr(value)
@@ -271,6 +301,7 @@ def to_plain(value: Any, _budget: list[int] | None = None) -> Any:
 
 
 # --------------------------------------------------------------------------- the kernel side
+
 
 @contextlib.contextmanager
 def _forbidden_probe(prefixes: tuple[str, ...]) -> Iterator[list[str]]:
@@ -398,6 +429,7 @@ def serve(request: dict, namespace: dict) -> None:
     The grader stops a task that runs past its time limit with SIGINT; while a task runs, SIGINT
     raises our own exception, so a timeout is told apart from a KeyboardInterrupt the learner raises.
     """
+
     def on_interrupt(signum: int, frame: Any) -> None:
         raise _CheckTimeout
 
@@ -414,8 +446,12 @@ def serve(request: dict, namespace: dict) -> None:
     old = signal.signal(signal.SIGINT, on_interrupt)
     try:
         name = str(request["name"])
-        task = SimpleNamespace(name=name, args=tuple(request["args"]), forbidden=tuple(request["forbidden"]),
-                               run=lambda case, *objects: run_task(name, case, objects))
+        task = SimpleNamespace(
+            name=name,
+            args=tuple(request["args"]),
+            forbidden=tuple(request["forbidden"]),
+            run=lambda case, *objects: run_task(name, case, objects),
+        )
         probes.find(name)  # a probe module that does not import is the check's fault, said as such below
         response = respond(task, request["cases"], namespace, host)
     except _CheckTimeout:
@@ -432,6 +468,7 @@ def serve(request: dict, namespace: dict) -> None:
 
 # --------------------------------------------------------------------------- the grader side
 
+
 def judge_response(check: Check, cases: list, response: Any) -> tuple[str, str]:
     """Grader side: (status, message) for one task, from the cases the grader drew and the response."""
     fn = check.args[0]
@@ -444,8 +481,10 @@ def judge_response(check: Check, cases: list, response: Any) -> tuple[str, str]:
     if response.get("timed_out"):
         return "timed out", f"checking this task took longer than {check.time_limit:g} s (an endless loop?)"
     if "forbidden" in response:
-        return "failed", (f"{fn} called {response['forbidden']}, which this task asks you not to use"
-                          + (f": {check.forbidden_why}" if check.forbidden_why else ""))
+        return "failed", (
+            f"{fn} called {response['forbidden']}, which this task asks you not to use"
+            + (f": {check.forbidden_why}" if check.forbidden_why else "")
+        )
     at = response.get("at")
     case = cases[at] if isinstance(at, int) and 0 <= at < len(cases) else None
     if "raised" in response:
@@ -475,13 +514,17 @@ def run_check(name: str, *objects: Any, rng: random.Random | None = None) -> tup
     public = [c.public(case) for case in cases]
     alarm = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
     if alarm:
+
         def on_alarm(signum: int, frame: Any) -> None:
             raise _CheckTimeout
+
         old = signal.signal(signal.SIGALRM, on_alarm)
         signal.setitimer(signal.ITIMER_REAL, c.time_limit)
     try:
+
         def host(i: int, request: Any) -> Any:  # across JSON both ways, as over the grader's channel
             return json.loads(json.dumps(c.host(cases[i], json.loads(json.dumps(request)))))
+
         response = respond(c, public, dict(zip(c.args, objects)), host)
         if alarm:
             signal.setitimer(signal.ITIMER_REAL, 0)
@@ -515,12 +558,16 @@ def check(name: str, *objects: Any) -> None:
     if status == "passed":
         print(f"✅ {name} — passed ({c.points}/{c.points} points)")
     else:
-        print(_wrapped(f"❌ {name} — {message}")
-              + (f"\n{_wrapped(f'   hint: {c.hint}', indent=' ' * 9)}" if c.hint and status == "failed" else ""))
+        print(
+            _wrapped(f"❌ {name} — {message}")
+            + (f"\n{_wrapped(f'   hint: {c.hint}', indent=' ' * 9)}" if c.hint and status == "failed" else "")
+        )
 
 
 def _wrapped(text: str, indent: str = "   ", width: int = 100) -> str:
     """A message as lines of at most `width` characters, broken between words (a notebook's output
     area wraps long lines wherever the window ends, mid-word); its own line breaks are kept."""
-    return "\n".join(textwrap.fill(part, width, subsequent_indent=indent, break_long_words=False,
-                                   break_on_hyphens=False) or part for part in text.split("\n"))
+    return "\n".join(
+        textwrap.fill(part, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False) or part
+        for part in text.split("\n")
+    )

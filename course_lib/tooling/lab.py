@@ -11,6 +11,7 @@ same bytes.
 
     jupyter lab --ServerApp.contents_manager_class=course_lib.tooling.lab.CourseContentsManager
 """
+
 from __future__ import annotations
 
 import platform
@@ -43,8 +44,9 @@ class CourseContentsManager(AsyncLargeFileManager):
         super().__init__(**kwargs)
         self.register_pre_save_hook(strip_version)
 
-    async def get(self, path: str, content: bool = True, type: str | None = None, format: str | None = None,
-                  **kwargs: Any) -> dict:
+    async def get(
+        self, path: str, content: bool = True, type: str | None = None, format: str | None = None, **kwargs: Any
+    ) -> dict:
         model = await super().get(path, content=content, type=type, format=format, **kwargs)
         if model.get("type") == "notebook" and model.get("content"):
             add_version(model["content"])

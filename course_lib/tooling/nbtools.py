@@ -6,6 +6,7 @@ is the expected answer that `make test` compares against (deterministic tables, 
     python -m course_lib.tooling.nbtools refresh notebooks/01_formats.ipynb   # re-run, keep checked outputs
     python -m course_lib.tooling.nbtools strip notebooks/*.ipynb              # drop every other output
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,8 +64,9 @@ def refresh(path: Path, timeout: int = 600) -> None:
     import torch
 
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}})
+    client = NotebookClient(
+        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    )
     with client.setup_kernel():
         for index, cell in enumerate(nb.cells):
             if "gpu" in cell.get("metadata", {}).get("tags", []) and not torch.cuda.is_available():

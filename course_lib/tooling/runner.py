@@ -16,6 +16,7 @@ it created for this kernel alone (`Attempt`):
    fresh attempt, runs the cells again (without a cell that killed or hung the kernel) and goes
    on with the next task (`run_submission`).
 """
+
 from __future__ import annotations
 
 import json
@@ -48,6 +49,7 @@ def code_cells(path: Path) -> list[str]:
 @dataclass
 class Faults:
     """What went wrong in a submission's run, in the grader's own words (never the kernel's)."""
+
     cells: dict[int, str] = field(default_factory=dict)  # cell index -> 'hung' / 'died'
     ignored: int = 0  # messages on the channel that answered no open question
     no_kernel: bool = False  # a kernel did not start at all
@@ -59,16 +61,24 @@ class Faults:
             did = "ran too long and could not be stopped" if what == "hung" else "stopped the Python process"
             parts.append(f"cell {i + 1} {did}; the grader ran the notebook again without it")
         if self.ignored:
-            parts.append(f"the grader ignored {self.ignored} message(s) that the notebook wrote to the answer "
-                         "channel itself")
+            parts.append(
+                f"the grader ignored {self.ignored} message(s) that the notebook wrote to the answer channel itself"
+            )
         return "; ".join(parts)
 
 
 class Attempt:
     """One fresh kernel of a submission, started in its sandbox, with the grader's answer channel."""
 
-    def __init__(self, box: Path, level: str, env: dict[str, str], log_path: Path, faults: Faults,
-                 limits: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        box: Path,
+        level: str,
+        env: dict[str, str],
+        log_path: Path,
+        faults: Faults,
+        limits: dict[str, int] | None = None,
+    ) -> None:
         from jupyter_client.blocking import BlockingKernelClient
 
         self.box, self.token, self.faults = box, env["AMP_SANDBOX"], faults
@@ -84,9 +94,13 @@ class Attempt:
         self.kc.write_connection_file()
         argv = [sys.executable, "-m", "ipykernel_launcher", "-f", str(run / "kernel.json")]
         with open(log_path, "ab") as log:
-            self.proc = sandbox.start(sandbox.command(level, argv, limits),
-                                      {**env, ANSWER_FD_ENV: str(theirs.fileno())}, box / "work", log,
-                                      pass_fds=(theirs.fileno(),))
+            self.proc = sandbox.start(
+                sandbox.command(level, argv, limits),
+                {**env, ANSWER_FD_ENV: str(theirs.fileno())},
+                box / "work",
+                log,
+                pass_fds=(theirs.fileno(),),
+            )
         theirs.close()
         self.kc.start_channels(iopub=False, stdin=False, hb=False)
         self.ready = self._wait_ready(120)
@@ -183,8 +197,13 @@ class Attempt:
         ('timeout' | 'hung' | 'died' | 'no answer', None)."""
         self.drain()  # anything written before the question is not an answer to it
         nonce = secrets.token_hex(16)
-        request = {"nonce": nonce, "name": check.name, "args": list(check.args),
-                   "forbidden": list(check.forbidden), "cases": [check.public(c) for c in cases]}
+        request = {
+            "nonce": nonce,
+            "name": check.name,
+            "args": list(check.args),
+            "forbidden": list(check.forbidden),
+            "cases": [check.public(c) for c in cases],
+        }
         answers: list[Any] = []
         trouble: list[str] = []
 
@@ -212,14 +231,18 @@ class Attempt:
                 else:
                     self.faults.ignored += 1
 
-        code = ("__import__('course_lib.tooling.grading', fromlist=['serve']).serve("
-                f"{json.loads(json.dumps(request))!r}, globals())")
+        code = (
+            "__import__('course_lib.tooling.grading', fromlist=['serve']).serve("
+            f"{json.loads(json.dumps(request))!r}, globals())"
+        )
         outcome = self.execute(code, check.time_limit, on_channel)
         if outcome in ("hung", "died"):
             return outcome, None
         if len(answers) > 1:
-            return "rejected", (f"{len(answers)} answers arrived for this task, where the grader's own code sends "
-                                "one: the notebook wrote answers itself, so none of them counts")
+            return "rejected", (
+                f"{len(answers)} answers arrived for this task, where the grader's own code sends "
+                "one: the notebook wrote answers itself, so none of them counts"
+            )
         if trouble:
             return "rejected", trouble[0]
         if outcome == "timeout":
@@ -237,8 +260,15 @@ class Attempt:
         self.ours.close()
 
 
-def run_submission(notebook: Path, checks: list[Check], cases: dict[str, list], start: Callable[[Faults], Attempt],
-                   cell_timeout: float, deadline: float, emit: Callable[[Check, str, str], None]) -> Faults:
+def run_submission(
+    notebook: Path,
+    checks: list[Check],
+    cases: dict[str, list],
+    start: Callable[[Faults], Attempt],
+    cell_timeout: float,
+    deadline: float,
+    emit: Callable[[Check, str, str], None],
+) -> Faults:
     """Run the notebook and judge every task, attempt after attempt until each task is judged.
 
     A cell that kills or hangs the kernel is skipped from the next attempt on (as a cell that
@@ -290,14 +320,24 @@ def run_submission(notebook: Path, checks: list[Check], cases: dict[str, list], 
                 elif what == "rejected":
                     finish(check, "failed", response)
                 elif what in ("timeout", "hung"):
-                    finish(check, "timed out", f"checking this task took longer than {check.time_limit:g} s "
-                                               "(an endless loop?)")
+                    finish(
+                        check,
+                        "timed out",
+                        f"checking this task took longer than {check.time_limit:g} s (an endless loop?)",
+                    )
                 elif what == "died":
-                    finish(check, "crashed", "your notebook's Python process stopped while this task was being "
-                                             "checked (a crash, os._exit or a kill); other tasks keep their points")
+                    finish(
+                        check,
+                        "crashed",
+                        "your notebook's Python process stopped while this task was being "
+                        "checked (a crash, os._exit or a kill); other tasks keep their points",
+                    )
                 else:
-                    finish(check, "failed", "no answer came back for this task (did the notebook replace the "
-                                            "grading helpers?)")
+                    finish(
+                        check,
+                        "failed",
+                        "no answer came back for this task (did the notebook replace the grading helpers?)",
+                    )
                 if what in ("hung", "died"):
                     break
         finally:
@@ -306,9 +346,16 @@ def run_submission(notebook: Path, checks: list[Check], cases: dict[str, list], 
         if ran_out():
             finish(check, "timed out", "your notebook ran past the total time limit before this task was checked")
         elif faults.no_kernel:
-            finish(check, "not graded", "the grader could not start a Python kernel for this notebook: tell your "
-                                        "instructor (the grader's log has the details)")
+            finish(
+                check,
+                "not graded",
+                "the grader could not start a Python kernel for this notebook: tell your "
+                "instructor (the grader's log has the details)",
+            )
         else:
-            finish(check, "crashed", "your notebook could not be run far enough to check this task "
-                                     "(its Python process kept stopping)")
+            finish(
+                check,
+                "crashed",
+                "your notebook could not be run far enough to check this task (its Python process kept stopping)",
+            )
     return faults

@@ -20,6 +20,7 @@ session (anywhere else)
     still killed afterwards, and the checkout is checked for changes after every submission.
     Grade untrusted submissions at this level only inside a container or a VM.
 """
+
 from __future__ import annotations
 
 import os
@@ -82,8 +83,20 @@ rmdir /.old
 cd "$AMP_WORKDIR"
 exec setpriv --no-new-privs --inh-caps=-all --ambient-caps=-all --bounding-set=-all -- "$@"
 """
-_UNSHARE = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount-proc",
-            "--net", "--mount", "--propagation", "private", "--"]
+_UNSHARE = [
+    "unshare",
+    "--user",
+    "--map-root-user",
+    "--pid",
+    "--fork",
+    "--kill-child",
+    "--mount-proc",
+    "--net",
+    "--mount",
+    "--propagation",
+    "private",
+    "--",
+]
 _PROBE = r"""
 import os, socket, sys
 root, sandbox = sys.argv[1], sys.argv[2]
@@ -140,8 +153,14 @@ def visible_paths(library: Path, hidden: list[Path]) -> list[str]:
     that is, holds or lies inside the checkout (other than its .venv and dot-folders such as .gpu)
     or a hidden folder (submissions, gradebook, the other sandboxes) is left out."""
     wanted = [Path(p) for p in ("/usr", "/etc", "/opt", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")]
-    python = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
-              *sys.path, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    python = [
+        sys.prefix,
+        sys.base_prefix,
+        sys.exec_prefix,
+        os.path.dirname(os.path.realpath(sys.executable)),
+        *sys.path,
+        *os.environ.get("PYTHONPATH", "").split(os.pathsep),
+    ]
     wanted += [Path(os.path.realpath(p)) for p in python if p and os.path.isabs(p)]
     # and as named, where that is a link (a .venv linked from elsewhere): the link is made again inside
     wanted += [Path(p) for p in (sys.prefix, os.path.dirname(sys.executable)) if os.path.islink(p)]
@@ -172,8 +191,14 @@ def available() -> bool:
         box.mkdir()
         env = {**environment(box, "probe", {}, library), **namespace_env(box, library, [Path(tmp)])}
         try:
-            out = subprocess.run(command("namespaces", [sys.executable, "-c", _PROBE, str(ROOT), str(box)]),
-                                 env=env, capture_output=True, text=True, timeout=60, cwd=box)
+            out = subprocess.run(
+                command("namespaces", [sys.executable, "-c", _PROBE, str(ROOT), str(box)]),
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                cwd=box,
+            )
         except (OSError, subprocess.SubprocessError):
             return False
     return out.returncode == 0 and "isolated" in out.stdout
@@ -182,11 +207,15 @@ def available() -> bool:
 def namespace_env(box: Path, library: Path, hidden: list[Path]) -> dict[str, str]:
     """The variables _NS_SCRIPT reads: where to build the root, what to show, where to start."""
     (box / ".root").mkdir(exist_ok=True)
-    devices = " ".join(d for d in sorted(os.listdir("/dev")) if d.startswith("nvidia")) if os.path.isdir("/dev") \
-        else ""
-    return {"AMP_NEW_ROOT": str(box / ".root"), "AMP_SANDBOX_DIR": str(box), "AMP_WORKDIR": str(box / "work"),
-            "AMP_READ_ONLY": "\n".join(visible_paths(library, hidden)), "AMP_DEVICES": devices,
-            "AMP_PYTHON": sys.executable}
+    devices = " ".join(d for d in sorted(os.listdir("/dev")) if d.startswith("nvidia")) if os.path.isdir("/dev") else ""
+    return {
+        "AMP_NEW_ROOT": str(box / ".root"),
+        "AMP_SANDBOX_DIR": str(box),
+        "AMP_WORKDIR": str(box / "work"),
+        "AMP_READ_ONLY": "\n".join(visible_paths(library, hidden)),
+        "AMP_DEVICES": devices,
+        "AMP_PYTHON": sys.executable,
+    }
 
 
 def environment(sandbox: Path, token: str, extra: dict[str, str], library: Path) -> dict[str, str]:
@@ -194,20 +223,33 @@ def environment(sandbox: Path, token: str, extra: dict[str, str], library: Path)
     the path (instead of the checkout), and nothing secret passed on."""
     home = sandbox / "home"
     env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": os.environ.get("LANG", "C.UTF-8"),
-        "HOME": str(home), "TMPDIR": str(sandbox / "tmp"), "IPYTHONDIR": str(home / ".ipython"),
-        "JUPYTER_CONFIG_DIR": str(home / ".jupyter"), "JUPYTER_DATA_DIR": str(home / ".local/share/jupyter"),
-        "JUPYTER_RUNTIME_DIR": str(sandbox / "run"), "MPLCONFIGDIR": str(home / ".config/matplotlib"),
-        "XDG_CACHE_HOME": str(home / ".cache"), "MPLBACKEND": "Agg", "COURSE_OFFLINE": "1",
-        "AMP_COURSE_GRADING": "1", "AMP_SANDBOX": token, "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1",
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "LANG": os.environ.get("LANG", "C.UTF-8"),
+        "HOME": str(home),
+        "TMPDIR": str(sandbox / "tmp"),
+        "IPYTHONDIR": str(home / ".ipython"),
+        "JUPYTER_CONFIG_DIR": str(home / ".jupyter"),
+        "JUPYTER_DATA_DIR": str(home / ".local/share/jupyter"),
+        "JUPYTER_RUNTIME_DIR": str(sandbox / "run"),
+        "MPLCONFIGDIR": str(home / ".config/matplotlib"),
+        "XDG_CACHE_HOME": str(home / ".cache"),
+        "MPLBACKEND": "Agg",
+        "COURSE_OFFLINE": "1",
+        "AMP_COURSE_GRADING": "1",
+        "AMP_SANDBOX": token,
+        "PYTHONNOUSERSITE": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONUNBUFFERED": "1",
     }
     for key in ("CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH"):
         if os.environ.get(key) is not None:
             env[key] = os.environ[key]
     root = ROOT.resolve()
-    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-            if p and not (Path(p).resolve() == root or (root / "course_lib").resolve() == Path(p).resolve())]
+    kept = [
+        p
+        for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if p and not (Path(p).resolve() == root or (root / "course_lib").resolve() == Path(p).resolve())
+    ]
     env["PYTHONPATH"] = os.pathsep.join([str(library), *kept])
     env["COURSE_DATA_DIR"] = str(Path(library) / "data")
     probes = [str(Path(library) / "extra_probes" / f.name) for f in _extra_probes()]
@@ -239,6 +281,7 @@ def _die_with_parent() -> None:
 
 try:  # loaded here, not in the child: nothing but the prctl call may run between fork and exec
     import ctypes
+
     _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 except (OSError, AttributeError):
     _PRCTL = None
@@ -246,8 +289,17 @@ except (OSError, AttributeError):
 
 def start(argv: list[str], env: dict[str, str], cwd: Path, log, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
     """Start a sandbox in a session of its own that dies with the grader; `pass_fds` are inherited."""
-    return subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, preexec_fn=_die_with_parent, pass_fds=pass_fds)
+    return subprocess.Popen(
+        argv,
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+        pass_fds=pass_fds,
+    )
 
 
 def _pids_with_token(token: str) -> list[int]:

@@ -13,6 +13,7 @@ included: their kernel side goes in $COURSE_EXTRA_PROBES (course_lib/tooling/pro
 A module that fails to import does not take the other chapters down with it: its error is
 kept in `errors` and reported by `check()` and the grader for that chapter.
 """
+
 from __future__ import annotations
 
 import importlib

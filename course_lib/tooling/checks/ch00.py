@@ -1,6 +1,7 @@
 """Checks for exercise 00 (setup and hardware). Inputs are drawn fresh by the grader; the
 reference answers are computed in the grader's process (see course_lib.tooling.grading).
 The kernel side is course_lib/tooling/probes/ch00.py."""
+
 from __future__ import annotations
 
 import random
@@ -13,15 +14,32 @@ from ..grading import Check, CheckFailure, expect_dict, expect_list, expect_numb
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
 # Compute capabilities of real NVIDIA GPUs, Kepler to Blackwell.
-REAL_CAPABILITIES = [(3, 7), (5, 0), (5, 2), (6, 0), (6, 1), (7, 0), (7, 2), (7, 5), (8, 0), (8, 6),
-                     (8, 7), (8, 9), (9, 0), (10, 0), (12, 0)]
+REAL_CAPABILITIES = [
+    (3, 7),
+    (5, 0),
+    (5, 2),
+    (6, 0),
+    (6, 1),
+    (7, 0),
+    (7, 2),
+    (7, 5),
+    (8, 0),
+    (8, 6),
+    (8, 7),
+    (8, 9),
+    (9, 0),
+    (10, 0),
+    (12, 0),
+]
 
 
 @register
 class ChoosePrecision(Check):
     name, args, points = "00.choose_precision", ("choose_precision",), 2
-    hint = ("Native bf16 needs compute capability >= (8, 0); fp16 Tensor Cores start at (7, 0); only fp16 "
-            "needs a GradScaler. Compare tuples directly: (7, 5) >= (7, 0) is True.")
+    hint = (
+        "Native bf16 needs compute capability >= (8, 0); fp16 Tensor Cores start at (7, 0); only fp16 "
+        "needs a GradScaler. Compare tuples directly: (7, 5) >= (7, 0) is True."
+    )
     forbidden = ("course_lib",)
     forbidden_why = "write the rule yourself instead of calling course_lib.device"
 
@@ -39,8 +57,10 @@ class ChoosePrecision(Check):
             expected = (want.precision, want.use_grad_scaler)
             shown = tuple(got) if isinstance(got, list) else got
             if not (isinstance(got, list) and len(got) == 2):
-                raise CheckFailure(f"choose_precision({tuple(cc)}) returned {shown!r}; expected a pair (precision, "
-                                   f"use_grad_scaler), here {expected!r}")
+                raise CheckFailure(
+                    f"choose_precision({tuple(cc)}) returned {shown!r}; expected a pair (precision, "
+                    f"use_grad_scaler), here {expected!r}"
+                )
             if shown != expected:
                 raise CheckFailure(f"choose_precision({tuple(cc)}) returned {shown!r}, expected {expected!r}")
 
@@ -64,8 +84,10 @@ def _timing_case(rng: random.Random) -> dict:
 @register
 class MedianStepMs(Check):
     name, args, points = "00.median_step_ms", ("median_step_ms",), 2
-    hint = ("Call fn() `warmup` times without timing it, then time each of the next `iters` calls separately "
-            "(time.perf_counter before and after) and return the median of those times in milliseconds.")
+    hint = (
+        "Call fn() `warmup` times without timing it, then time each of the next `iters` calls separately "
+        "(time.perf_counter before and after) and return the median of those times in milliseconds."
+    )
     time_limit = 30.0
 
     def cases(self, rng: random.Random) -> list:
@@ -105,12 +127,13 @@ class MedianStepMs(Check):
                 continue
             # say which familiar mistake the answer is closest to, if it is close to one (from what the
             # calls really took: a busy machine's late wake-ups would move them out of reach)
-            mistakes = {"that is the mean, which the one slow call pulls up; return the median":
-                        statistics.mean(took[w:]),
-                        "that includes the warm-up calls, which are slow on purpose; time only the last `iters` "
-                        "calls": statistics.median(took),
-                        "that is the fastest call; the median is the typical one": min(took[w:]),
-                        "that looks like seconds; return milliseconds": real / 1000}
+            mistakes = {
+                "that is the mean, which the one slow call pulls up; return the median": statistics.mean(took[w:]),
+                "that includes the warm-up calls, which are slow on purpose; time only the last `iters` "
+                "calls": statistics.median(took),
+                "that is the fastest call; the median is the typical one": min(took[w:]),
+                "that looks like seconds; return milliseconds": real / 1000,
+            }
             why, value = min(mistakes.items(), key=lambda kv: abs(got - kv[1]) / kv[1])
             if abs(got - value) > 0.1 * value:
                 why = "the median of the timed calls is the number asked for"

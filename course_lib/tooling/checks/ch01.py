@@ -1,6 +1,7 @@
 """Checks for exercise 01 (floating-point formats). torch's own conversions are the reference,
 computed in the grader's process; every check draws fresh inputs, so a hard-coded answer fails.
 The kernel side is course_lib/tooling/probes/ch01.py."""
+
 from __future__ import annotations
 
 import math
@@ -15,13 +16,15 @@ from ..grading import Check, CheckFailure, expect_list, expect_numbers, register
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
 BY_HAND = ("torch", "numpy", "struct", "course_lib")
-BY_HAND_WHY = ("work it out with plain Python integers and floats (math.ldexp, >>, &), which is the point of "
-               "the task; the checker looks for calls into torch, numpy, struct and course_lib")
+BY_HAND_WHY = (
+    "work it out with plain Python integers and floats (math.ldexp, >>, &), which is the point of "
+    "the task; the checker looks for calls into torch, numpy, struct and course_lib"
+)
 
 _FP16_HINTS = {
     "normal": "normal numbers are (-1)^S × 1.M × 2^(E - 15), with M the 10-bit field divided by 2^10.",
     "subnormal": "exponent field 0 means a subnormal: 0.M × 2^-14 — no implicit leading 1, and the exponent "
-                 "is 1 - bias = -14 (not 0 - 15).",
+    "is 1 - bias = -14 (not 0 - 15).",
     "zero": "0x0000 and 0x8000 are +0.0 and -0.0: keep the sign (e.g. math.copysign(0.0, -1) or -0.0).",
     "inf": "exponent field 31 (all ones) with mantissa 0 is ±inf.",
     "nan": "exponent field 31 with a non-zero mantissa is NaN (any NaN will do: float('nan')).",
@@ -30,19 +33,22 @@ _FP16_HINTS = {
 
 def _kinds(patterns: np.ndarray) -> np.ndarray:
     e, m = (patterns >> 10) & 0x1F, patterns & 0x3FF
-    return np.where(e == 0, np.where(m == 0, "zero", "subnormal"), np.where(e == 31, np.where(m == 0, "inf", "nan"),
-                                                                           "normal"))
+    return np.where(
+        e == 0, np.where(m == 0, "zero", "subnormal"), np.where(e == 31, np.where(m == 0, "inf", "nan"), "normal")
+    )
 
 
 @register
 class DecodeFp16(Check):
     name, args, points = "01.decode_fp16", ("decode_fp16",), 3
-    hint = ("Split the 16 bits: sign = bits >> 15, exponent = (bits >> 10) & 0x1F, mantissa = bits & 0x3FF. "
-            "E == 0: subnormal or zero, 0.M × 2^-14; E == 31: inf or NaN; otherwise 1.M × 2^(E - 15).")
+    hint = (
+        "Split the 16 bits: sign = bits >> 15, exponent = (bits >> 10) & 0x1F, mantissa = bits & 0x3FF. "
+        "E == 0: subnormal or zero, 0.M × 2^-14; E == 31: inf or NaN; otherwise 1.M × 2^(E - 15)."
+    )
     forbidden, forbidden_why = BY_HAND, BY_HAND_WHY
 
     def cases(self, rng: random.Random) -> list:
-        patterns = list(range(2 ** 16))
+        patterns = list(range(2**16))
         rng.shuffle(patterns)  # every pattern, in an order that must not matter
         return patterns
 
@@ -51,13 +57,14 @@ class DecodeFp16(Check):
 
     def judge(self, cases: list, results: list) -> None:
         expect_list(results, "decode_fp16's answers", len(cases))
-        bad_type = next((c for c, r in zip(cases, results) if isinstance(r, bool) or not isinstance(r, (int, float))),
-                        None)
+        bad_type = next(
+            (c for c, r in zip(cases, results) if isinstance(r, bool) or not isinstance(r, (int, float))), None
+        )
         if bad_type is not None:
             got = results[cases.index(bad_type)]
             raise CheckFailure(f"decode_fp16({bad_type:#06x}) returned {got!r}, which is not a number")
         want = all_values("fp16").numpy()  # torch decodes every pattern: the reference
-        got = np.empty(2 ** 16)
+        got = np.empty(2**16)
         got[np.asarray(cases)] = np.asarray(results, dtype=np.float64)
         w_nan, g_nan = np.isnan(want), np.isnan(got)
         with np.errstate(invalid="ignore"):
@@ -73,23 +80,67 @@ class DecodeFp16(Check):
         examples = positive if len(positive) else examples
         p = int(examples[len(examples) // 2])  # a typical pattern, not the edge of the range
         summary = ", ".join(f"{k} {v}" for k, v in counts.items())
-        raise CheckFailure(f"wrong for {len(bad)} of 65536 patterns ({summary}); for example decode_fp16({p:#06x}) "
-                           f"returned {float(got[p])!r}, but the bits {bit_string(p, 'fp16', ' ')} ({worst}) mean "
-                           f"{float(want[p])!r}. {_FP16_HINTS[worst]}")
+        raise CheckFailure(
+            f"wrong for {len(bad)} of 65536 patterns ({summary}); for example decode_fp16({p:#06x}) "
+            f"returned {float(got[p])!r}, but the bits {bit_string(p, 'fp16', ' ')} ({worst}) mean "
+            f"{float(want[p])!r}. {_FP16_HINTS[worst]}"
+        )
 
 
 @register
 class RoundToBf16(Check):
     name, args, points = "01.round_to_bf16", ("round_to_bf16",), 2
-    hint = ("Round to nearest, ties to even: add 0x7FFF plus bit 16 of the input, then keep the top 16 bits. "
-            "Handle NaN first (exponent all ones, mantissa not 0): the carry could turn it into inf or -0.")
+    hint = (
+        "Round to nearest, ties to even: add 0x7FFF plus bit 16 of the input, then keep the top 16 bits. "
+        "Handle NaN first (exponent all ones, mantissa not 0): the carry could turn it into inf or -0."
+    )
     forbidden, forbidden_why = BY_HAND, BY_HAND_WHY
 
     def cases(self, rng: random.Random) -> list:
-        crafted_upper = [0x7F7F, 0xFF7F, 0x0000, 0x8000, 0x0001, 0x007F, 0x0080, 0x3F80, 0x3F81, 0x4780,
-                         0x7F80, 0xFF80, 0x7FC0, 0x7F80, 0xFF80, 0x7F81, 0x0000, 0x8000, 0x477F, 0x4000]
-        crafted_lower = [0x8000, 0x8000, 0x8000, 0x8000, 0x8000, 0xFFFF, 0x7FFF, 0x8000, 0x8000, 0x8000,
-                         0x0001, 0xFFFF, 0x0000, 0x0000, 0x0000, 0x0000, 0x0000, 0x0000, 0x8000, 0x0001]
+        crafted_upper = [
+            0x7F7F,
+            0xFF7F,
+            0x0000,
+            0x8000,
+            0x0001,
+            0x007F,
+            0x0080,
+            0x3F80,
+            0x3F81,
+            0x4780,
+            0x7F80,
+            0xFF80,
+            0x7FC0,
+            0x7F80,
+            0xFF80,
+            0x7F81,
+            0x0000,
+            0x8000,
+            0x477F,
+            0x4000,
+        ]
+        crafted_lower = [
+            0x8000,
+            0x8000,
+            0x8000,
+            0x8000,
+            0x8000,
+            0xFFFF,
+            0x7FFF,
+            0x8000,
+            0x8000,
+            0x8000,
+            0x0001,
+            0xFFFF,
+            0x0000,
+            0x0000,
+            0x0000,
+            0x0000,
+            0x0000,
+            0x0000,
+            0x8000,
+            0x0001,
+        ]
         # ties (0x8000) with even and odd upper halves, and their neighbours, tell RNE from other roundings
         lowers = [0x8000, 0x7FFF, 0x8001, 0x0000, 0xFFFF, 0x0001]
         tricky = [rng.getrandbits(16) << 16 | rng.choice(lowers) for _ in range(3000)]
@@ -103,26 +154,33 @@ class RoundToBf16(Check):
 
     def judge(self, cases: list, results: list) -> None:
         inputs = torch.tensor(cases, dtype=torch.int64)
-        x = torch.where(inputs >= 2 ** 31, inputs - 2 ** 32, inputs).to(torch.int32).view(torch.float32)
+        x = torch.where(inputs >= 2**31, inputs - 2**32, inputs).to(torch.int32).view(torch.float32)
         want = (x.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF).tolist()
         expect_list(results, "round_to_bf16's answers", len(cases))
         for u, r, w, nan, xf in zip(cases, results, want, torch.isnan(x).tolist(), x.tolist()):
             if isinstance(r, bool) or not isinstance(r, int):
                 raise CheckFailure(f"round_to_bf16({u:#010x}) returned {r!r}, not an int bit pattern")
-            if not 0 <= r < 2 ** 16:
+            if not 0 <= r < 2**16:
                 raise CheckFailure(f"round_to_bf16({u:#010x}) returned {r:#x}: a bf16 pattern is 16 bits (0..0xFFFF)")
             if nan and (r & 0x7F80) == 0x7F80 and (r & 0x7F):
                 continue  # any NaN is a right answer for a NaN
             if nan:
-                raise CheckFailure(f"round_to_bf16({u:#010x}) (an fp32 NaN) returned {r:#06x} "
-                                   f"({bit_string(r, 'bf16', ' ')}), which is not a NaN: expected exponent bits all "
-                                   "ones and a non-zero mantissa, e.g. 0x7fc0")
+                raise CheckFailure(
+                    f"round_to_bf16({u:#010x}) (an fp32 NaN) returned {r:#06x} "
+                    f"({bit_string(r, 'bf16', ' ')}), which is not a NaN: expected exponent bits all "
+                    "ones and a non-zero mantissa, e.g. 0x7fc0"
+                )
             if r != w:
                 tie = (u & 0xFFFF) == 0x8000
-                raise CheckFailure(f"round_to_bf16({u:#010x}) (fp32 {xf!r}) returned {r:#06x} "
-                                   f"({bit_string(r, 'bf16', ' ')}), expected {w:#06x} ({bit_string(w, 'bf16', ' ')})"
-                                   + (": this input is exactly halfway, so it goes to the neighbour whose last bit "
-                                      "is 0" if tie else ""))
+                raise CheckFailure(
+                    f"round_to_bf16({u:#010x}) (fp32 {xf!r}) returned {r:#06x} "
+                    f"({bit_string(r, 'bf16', ' ')}), expected {w:#06x} ({bit_string(w, 'bf16', ' ')})"
+                    + (
+                        ": this input is exactly halfway, so it goes to the neighbour whose last bit is 0"
+                        if tie
+                        else ""
+                    )
+                )
 
 
 def _fp32_nudged(value: float, ulps: int) -> float:
@@ -146,17 +204,27 @@ def _torch_fate(x: float, fmt: str) -> tuple[str, float]:
 @register
 class FpFate(Check):
     name, args, points = "01.fp_fate", ("fp_fate",), 2
-    hint = ("Compare |x| with the format's thresholds, remembering that rounding happens first: fp16 overflows "
-            "only from 65520 (65519 rounds to 65504), and a non-zero x becomes 0 only when |x| <= half the "
-            "smallest subnormal (2^-25 for fp16). bf16 has fp32's exponent range.")
+    hint = (
+        "Compare |x| with the format's thresholds, remembering that rounding happens first: fp16 overflows "
+        "only from 65520 (65519 rounds to 65504), and a non-zero x becomes 0 only when |x| <= half the "
+        "smallest subnormal (2^-25 for fp16). bf16 has fp32's exponent range."
+    )
     forbidden, forbidden_why = BY_HAND, "derive the thresholds from the formats (bias, mantissa bits), not torch"
 
     def cases(self, rng: random.Random) -> list:
         cases = []
         for fmt in ("fp16", "bf16"):
             f = get_format(fmt)
-            anchors = [f.max, overflow_threshold(f), f.smallest_normal, f.smallest_normal - f.smallest_subnormal / 2,
-                       f.smallest_subnormal, f.smallest_subnormal / 2, 1.5 * f.smallest_subnormal, 1.0]
+            anchors = [
+                f.max,
+                overflow_threshold(f),
+                f.smallest_normal,
+                f.smallest_normal - f.smallest_subnormal / 2,
+                f.smallest_subnormal,
+                f.smallest_subnormal / 2,
+                1.5 * f.smallest_subnormal,
+                1.0,
+            ]
             xs = [_fp32_nudged(a, k) for a in anchors for k in [0] + rng.sample(range(-6, 7), 6)]
             if fmt == "fp16":
                 xs += [65519.0 + rng.random() * 0.9, 65504.0 + rng.random() * 15.9, 1e5 * (1 + rng.random())]
@@ -172,8 +240,10 @@ class FpFate(Check):
         for (x, fmt), got in zip(cases, expect_list(results, "fp_fate's answers", len(cases))):
             want, stored = _torch_fate(x, fmt)
             if got != want:
-                raise CheckFailure(f"fp_fate({x!r}, {fmt!r}) returned {got!r}, but {fmt} stores this number as "
-                                   f"{stored!r}, so the answer is {want!r}")
+                raise CheckFailure(
+                    f"fp_fate({x!r}, {fmt!r}) returned {got!r}, but {fmt} stores this number as "
+                    f"{stored!r}, so the answer is {want!r}"
+                )
 
 
 def _naive_bf16_dot(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
@@ -186,9 +256,11 @@ def _naive_bf16_dot(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
 @register
 class Bf16DotErrors(Check):
     name, args, points = "01.bf16_dot_errors", ("bf16_dot_errors",), 2
-    hint = ("Reference: the float64 dot of the float32 inputs. mixed: round x and y to bf16, then multiply and sum "
-            "in float32. naive: s = bf16 zero; s = s + xb[i] * yb[i] in a Python loop over bf16 scalars "
-            "(torch.dot/sum on bf16 tensors accumulate in fp32 on CPU). Relative: |got - ref| / |ref|.")
+    hint = (
+        "Reference: the float64 dot of the float32 inputs. mixed: round x and y to bf16, then multiply and sum "
+        "in float32. naive: s = bf16 zero; s = s + xb[i] * yb[i] in a Python loop over bf16 scalars "
+        "(torch.dot/sum on bf16 tensors accumulate in fp32 on CPU). Relative: |got - ref| / |ref|."
+    )
 
     def cases(self, rng: random.Random) -> list:
         out = []
@@ -219,10 +291,16 @@ class Bf16DotErrors(Check):
             spread = max(abs(abs(o - ref) / ref - floor) for o in orders)
             naive = abs(_naive_bf16_dot(xb, yb).item() - ref) / ref
             if abs(got_mixed - floor) > 3 * spread + 0.02 * floor + 1e-7:
-                why = ("much smaller than bf16 rounding allows: are the inputs rounded to bf16?"
-                       if got_mixed < floor / 4 else "is it relative (divided by |reference|), kept in float32?")
+                why = (
+                    "much smaller than bf16 rounding allows: are the inputs rounded to bf16?"
+                    if got_mixed < floor / 4
+                    else "is it relative (divided by |reference|), kept in float32?"
+                )
                 raise CheckFailure(f"{where}: mixed error {got_mixed!r}, expected about {floor:.3e}; {why}")
             if abs(got_naive - naive) > 1e-6 * naive + 1e-12:
-                why = ("an fp32 accumulator (torch.dot/sum/cumsum accumulate in fp32 on CPU)?" if got_naive < naive / 2
-                       else "every product and every addition should round to bf16, in order")
+                why = (
+                    "an fp32 accumulator (torch.dot/sum/cumsum accumulate in fp32 on CPU)?"
+                    if got_naive < naive / 2
+                    else "every product and every addition should round to bf16, in order"
+                )
                 raise CheckFailure(f"{where}: naive error {got_naive!r}, expected {naive:.4e}: {why}")

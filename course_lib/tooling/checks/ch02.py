@@ -1,5 +1,6 @@
 """Checks for exercise 02 (autocast). The references are live probes of autocast in the grader's
 process, on fresh random cases, so a table memorised from another torch or device fails."""
+
 from __future__ import annotations
 
 import random
@@ -14,8 +15,17 @@ from ..probes.ch02 import MYSTERY, STANDARD, build, dtype_of
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
 # The ops of task 1, with how many floating-point inputs each takes (see OPS in autocast_policy).
-PREDICT_OPS = {"linear": 1, "matmul": 2, "relu": 1, "softmax": 1, "layer_norm": 1, "sum": 1,
-               "mse_loss": 2, "add": 2, "cat": 2}
+PREDICT_OPS = {
+    "linear": 1,
+    "matmul": 2,
+    "relu": 1,
+    "softmax": 1,
+    "layer_norm": 1,
+    "sum": 1,
+    "mse_loss": 2,
+    "add": 2,
+    "cat": 2,
+}
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -37,9 +47,11 @@ def _real_devices() -> list[str]:
 @register
 class PredictDtype(Check):
     name, args, points = "02.predict_dtype", ("predict_dtype",), 2
-    hint = ("Two things decide the answer: which list the op is on for that device (chapter 02's CPU and CUDA "
-            "tables differ: compare them), and, for an op on no list, its inputs' dtypes (two different float "
-            "dtypes combine by ordinary type promotion, to the wider one).")
+    hint = (
+        "Two things decide the answer: which list the op is on for that device (chapter 02's CPU and CUDA "
+        "tables differ: compare them), and, for an op on no list, its inputs' dtypes (two different float "
+        "dtypes combine by ordinary type promotion, to the wider one)."
+    )
     forbidden = ("course_lib",)
     forbidden_why = "write the rule from what chapter 02 showed instead of calling course_lib.chapters.autocast_policy"
 
@@ -50,8 +62,11 @@ class PredictDtype(Check):
             for dtype in _low_dtypes(device):
                 for op, n in PREDICT_OPS.items():
                     low = _name(dtype)
-                    configs = [["float32"], [low]] if n == 1 else [
-                        ["float32", "float32"], [low, low], [low, "float32"], ["float32", low]]
+                    configs = (
+                        [["float32"], [low]]
+                        if n == 1
+                        else [["float32", "float32"], [low, low], [low, "float32"], ["float32", low]]
+                    )
                     cases += [[op, device, low, ins] for ins in configs]
         rng.shuffle(cases)
         return cases
@@ -76,6 +91,7 @@ class PredictDtype(Check):
 
 # --------------------------------------------------------------------------- task 2
 
+
 def _clustered(n: int, m: int, d: int, rng: random.Random) -> tuple[list, list]:
     # Points close to each other far from the origin: ||a||^2 + ||b||^2 - 2 a.b cancels badly,
     # which is why torch puts cdist on autocast's fp32 list.
@@ -97,46 +113,68 @@ def _tensor(value: object, where: str, what: str, shape: tuple[int, ...], of: st
     if tuple(t.shape) != shape:
         raise CheckFailure(f"{where}: expected {what} to be a {shape} tensor of {of}, got shape {tuple(t.shape)}")
     if not torch.isfinite(t).all():  # a NaN compares as "not far off" in an error bound: rule it out first
-        raise CheckFailure(f"{where}: {what} holds {int((~torch.isfinite(t)).sum())} inf/NaN values; expected "
-                           f"finite {of}")
+        raise CheckFailure(
+            f"{where}: {what} holds {int((~torch.isfinite(t)).sum())} inf/NaN values; expected finite {of}"
+        )
     return t
 
 
 @register
 class MakeSqdist(Check):
     name, args, points = "02.make_sqdist", ("make_sqdist",), 3
-    hint = ("Chapter 02, section 7: torch.amp.custom_fwd(device_type=..., cast_inputs=...) on forward and "
-            "torch.amp.custom_bwd(device_type=...) on backward, each under @staticmethod. cast_inputs=torch.float32 "
-            "runs forward on fp32 inputs with autocast off; custom_bwd makes backward run under forward's "
-            "autocast state, even when backward() is called inside the region.")
+    hint = (
+        "Chapter 02, section 7: torch.amp.custom_fwd(device_type=..., cast_inputs=...) on forward and "
+        "torch.amp.custom_bwd(device_type=...) on backward, each under @staticmethod. cast_inputs=torch.float32 "
+        "runs forward on fp32 inputs with autocast off; custom_bwd makes backward run under forward's "
+        "autocast state, even when backward() is called inside the region."
+    )
 
     def cases(self, rng: random.Random) -> list:
         cases = []
         for device in _real_devices():
             n, m, d = rng.randint(3, 6), rng.randint(3, 6), rng.randint(4, 8)
             g = torch.Generator().manual_seed(rng.getrandbits(31))
-            cases.append({"device": device, "autocast": None, "dtype": "float64",
-                          "a": torch.randn(n, d, generator=g, dtype=torch.float64).tolist(),
-                          "b": torch.randn(m, d, generator=g, dtype=torch.float64).tolist(),
-                          "g": torch.rand(n, m, generator=g, dtype=torch.float64).tolist()})
+            cases.append(
+                {
+                    "device": device,
+                    "autocast": None,
+                    "dtype": "float64",
+                    "a": torch.randn(n, d, generator=g, dtype=torch.float64).tolist(),
+                    "b": torch.randn(m, d, generator=g, dtype=torch.float64).tolist(),
+                    "g": torch.rand(n, m, generator=g, dtype=torch.float64).tolist(),
+                }
+            )
             for low in _low_dtypes(device):
                 for in_dtype in ("float32", _name(low)):
                     a, b = _clustered(n, m, d, rng)
-                    cases.append({"device": device, "autocast": _name(low), "dtype": in_dtype, "a": a, "b": b,
-                                  "g": torch.rand(n, m, generator=g, dtype=torch.float64).tolist()})
+                    cases.append(
+                        {
+                            "device": device,
+                            "autocast": _name(low),
+                            "dtype": in_dtype,
+                            "a": a,
+                            "b": b,
+                            "g": torch.rand(n, m, generator=g, dtype=torch.float64).tolist(),
+                        }
+                    )
         return cases
 
     def describe(self, case: dict) -> str:
-        region = f"under torch.autocast({case['device']!r}, dtype=torch.{case['autocast']})" \
-            if case["autocast"] else "outside autocast"
+        region = (
+            f"under torch.autocast({case['device']!r}, dtype=torch.{case['autocast']})"
+            if case["autocast"]
+            else "outside autocast"
+        )
         return f"make_sqdist({case['device']!r}).apply(a, b) {region} with {case['dtype']} inputs"
 
     def judge(self, cases: list, results: list) -> None:
         for case, r in zip(cases, expect_list(results, "make_sqdist's answers", len(cases))):
             where = self.describe(case)
             if isinstance(r, dict) and "not_function" in r:
-                raise CheckFailure(f"make_sqdist({case['device']!r}) should return a torch.autograd.Function "
-                                   f"subclass, got {r['not_function']}")
+                raise CheckFailure(
+                    f"make_sqdist({case['device']!r}) should return a torch.autograd.Function "
+                    f"subclass, got {r['not_function']}"
+                )
             r = expect_dict(r, where, ("out", "out_dtype", "grad_a", "grad_b"))
             dtype = dtype_of(case["dtype"])
             a = torch.tensor(case["a"], dtype=torch.float64).to(dtype).double().requires_grad_()
@@ -147,32 +185,43 @@ class MakeSqdist(Check):
             for name, x in (("a", a), ("b", b)):
                 if r[f"grad_{name}"] is None:
                     raise CheckFailure(f"{where}: {name}.grad is None after backward")
-            grads = {name: _tensor(r[f"grad_{name}"], where, f"{name}.grad", tuple(x.shape), "gradients")
-                     for name, x in (("a", a), ("b", b))}
+            grads = {
+                name: _tensor(r[f"grad_{name}"], where, f"{name}.grad", tuple(x.shape), "gradients")
+                for name, x in (("a", a), ("b", b))
+            }
             if case["autocast"] is None:
                 if not torch.allclose(out, ref, rtol=1e-9, atol=1e-9):
                     raise CheckFailure(f"{where}: the forward does not compute ||a_i - b_j||^2")
                 for name, x in (("a", a), ("b", b)):
                     if not torch.allclose(grads[name], x.grad, rtol=1e-7, atol=1e-9):
-                        raise CheckFailure(f"{where}: the gradient for {name} is wrong (compare your backward with "
-                                           "the formulas in the task)")
+                        raise CheckFailure(
+                            f"{where}: the gradient for {name} is wrong (compare your backward with "
+                            "the formulas in the task)"
+                        )
                 continue
             if r["out_dtype"] != {"dtype": "float32"}:
-                raise CheckFailure(f"{where}: the output is {r['out_dtype']}; it should be computed and returned in "
-                                   "float32 (is forward decorated with custom_fwd(..., cast_inputs=torch.float32)?)")
+                raise CheckFailure(
+                    f"{where}: the output is {r['out_dtype']}; it should be computed and returned in "
+                    "float32 (is forward decorated with custom_fwd(..., cast_inputs=torch.float32)?)"
+                )
             err = (out - ref).abs().max().item()
             if err > 1e-3 * (1 + ref.abs().max().item()):
-                raise CheckFailure(f"{where}: the distances are off by up to {err:.3g}: the forward ran in low "
-                                   "precision (cast_inputs=torch.float32 makes it run in fp32 with autocast off)")
+                raise CheckFailure(
+                    f"{where}: the distances are off by up to {err:.3g}: the forward ran in low "
+                    "precision (cast_inputs=torch.float32 makes it run in fp32 with autocast off)"
+                )
             for name, x in (("a", a), ("b", b)):
                 gerr, scale = (grads[name] - x.grad).abs().max().item(), x.grad.abs().max().item()
                 if gerr > 1e-3 * (1 + scale) + (0 if case["dtype"] == "float32" else 1e-2 * scale):
-                    raise CheckFailure(f"{where}, with backward() called inside the region: {name}.grad is off by "
-                                       f"{gerr:.3g} (largest gradient {scale:.3g}): the backward ran under autocast "
-                                       "(decorate it with custom_bwd(device_type=...))")
+                    raise CheckFailure(
+                        f"{where}, with backward() called inside the region: {name}.grad is off by "
+                        f"{gerr:.3g} (largest gradient {scale:.3g}): the backward ran under autocast "
+                        "(decorate it with custom_bwd(device_type=...))"
+                    )
 
 
 # --------------------------------------------------------------------------- task 3
+
 
 def _random_spec(rng: random.Random, device: str, dtype: torch.dtype) -> dict:
     def item() -> list:
@@ -201,10 +250,12 @@ def _islands(spec: dict) -> tuple[set[str], set[str]]:
 @register
 class FindFp32Islands(Check):
     name, args, points = "02.find_fp32_islands", ("find_fp32_islands",), 2
-    hint = ("Register a forward hook on every leaf module (no children), run model(x) under "
-            "torch.autocast(device_type, dtype=dtype), and keep the names (from named_modules) of the modules "
-            "whose input was low precision and whose output is float32. A module that gets fp32 in and gives fp32 "
-            "out is not an island: it only follows its input. Remove the hooks afterwards.")
+    hint = (
+        "Register a forward hook on every leaf module (no children), run model(x) under "
+        "torch.autocast(device_type, dtype=dtype), and keep the names (from named_modules) of the modules "
+        "whose input was low precision and whose output is float32. A module that gets fp32 in and gives fp32 "
+        "out is not an island: it only follows its input. Remove the hooks afterwards."
+    )
 
     def cases(self, rng: random.Random) -> list:
         cases: list = []
@@ -230,8 +281,12 @@ class FindFp32Islands(Check):
             want, _ = _islands(spec)
             if set(got) != want:
                 extra, missing = sorted(set(got) - want), sorted(want - set(got))
-                layers = ", ".join(f"{n}: {type(m).__name__}" for n, m in build(spec)[0].named_modules()
-                                   if not list(m.children()))
-                raise CheckFailure(f"{self.describe(spec)} for the model [{layers}] returned {sorted(got)!r}; "
-                                   f"expected {sorted(want)!r}" + (f" ({extra} are not islands)" if extra else "")
-                                   + (f" (missed {missing})" if missing else ""))
+                layers = ", ".join(
+                    f"{n}: {type(m).__name__}" for n, m in build(spec)[0].named_modules() if not list(m.children())
+                )
+                raise CheckFailure(
+                    f"{self.describe(spec)} for the model [{layers}] returned {sorted(got)!r}; "
+                    f"expected {sorted(want)!r}"
+                    + (f" ({extra} are not islands)" if extra else "")
+                    + (f" (missed {missing})" if missing else "")
+                )

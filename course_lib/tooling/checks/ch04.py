@@ -9,6 +9,7 @@ each forward's batch size and the autocast state at each backward, step and upda
 its own correct loop through the same probe, computes the large batch's gradient in the same
 precision, and compares.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,10 +27,22 @@ __all__: list[str] = []  # the checks register themselves; nothing here is impor
 # it is summed in fp32: they agree to a few units of the precision's epsilon (chapter 04, §3,
 # measures about 1 eps in fp32 and 0.3 eps in bf16 and fp16). Every mistake the hints name
 # moves the gradient by 10% or more.
-TOLERANCE = {"fp32": 32 * torch.finfo(torch.float32).eps, "bf16": 4 * torch.finfo(torch.bfloat16).eps,
-             "fp16": 4 * torch.finfo(torch.float16).eps}
-KEYS = ("grads", "steps", "updates", "forward_dtypes", "forward_sizes", "backward_autocast", "step_autocast",
-        "update_autocast", "scale")
+TOLERANCE = {
+    "fp32": 32 * torch.finfo(torch.float32).eps,
+    "bf16": 4 * torch.finfo(torch.bfloat16).eps,
+    "fp16": 4 * torch.finfo(torch.float16).eps,
+}
+KEYS = (
+    "grads",
+    "steps",
+    "updates",
+    "forward_dtypes",
+    "forward_sizes",
+    "backward_autocast",
+    "step_autocast",
+    "update_autocast",
+    "scale",
+)
 
 
 def _grad(case: dict, weights: list[float] | None = None, large: bool = False, double: bool = False) -> torch.Tensor:
@@ -87,15 +100,19 @@ def _expect_run(got: object, where: str, numels: list[int]) -> dict:
             if grad is not None:
                 expect_numbers(grad, f"{where}: the gradient of parameter tensor {k}", n, finite=False)
     return got
+
+
 @register
 class Accumulate(Check):
     name, args, points = "04.accumulate", ("accumulate",), 4
-    hint = ("Zero the gradients first. For each micro-batch in turn (one forward and one backward each, never one "
-            "pass over them all): forward and loss under torch.autocast(device_type, dtype=dtype, enabled=dtype is "
-            "not None); multiply the loss by len(y) / (total samples) — loss / N when all N micro-batches have the "
-            "same size; scaler.scale(loss).backward(), outside autocast. After the loop, outside autocast, once: "
-            "scaler.step(optimizer) (not optimizer.step(): it skips the step when the gradients overflowed), then "
-            "scaler.update().")
+    hint = (
+        "Zero the gradients first. For each micro-batch in turn (one forward and one backward each, never one "
+        "pass over them all): forward and loss under torch.autocast(device_type, dtype=dtype, enabled=dtype is "
+        "not None); multiply the loss by len(y) / (total samples) — loss / N when all N micro-batches have the "
+        "same size; scaler.scale(loss).backward(), outside autocast. After the loop, outside autocast, once: "
+        "scaler.step(optimizer) (not optimizer.step(): it skips the step when the gradients overflowed), then "
+        "scaler.update()."
+    )
     forbidden = ("course_lib.chapters", "course_lib.train")
     forbidden_why = "write the loop yourself instead of calling chapter 04's accumulation_step or the Trainer"
     time_limit = 60.0
@@ -115,19 +132,29 @@ class Accumulate(Check):
             # the last case overflows: a loss scaled by 2^40 or more sends inf into fp16's backward, so a correct
             # loop skips the step (scaler.step) and halves the scale (scaler.update)
             overflow = i == len(precisions) - 1
-            cases.append({"seed": rng.getrandbits(31), "features": rng.randint(3, 12), "hidden": rng.randint(4, 16),
-                          "classes": rng.randint(2, 5), "sizes": sizes, "precision": precision,
-                          "loss": "mse_loss" if rng.random() < 0.25 else "cross_entropy",
-                          "init_scale": 2.0 ** (rng.randint(40, 60) if overflow else rng.randint(6, 12)),
-                          "overflow": overflow})
+            cases.append(
+                {
+                    "seed": rng.getrandbits(31),
+                    "features": rng.randint(3, 12),
+                    "hidden": rng.randint(4, 16),
+                    "classes": rng.randint(2, 5),
+                    "sizes": sizes,
+                    "precision": precision,
+                    "loss": "mse_loss" if rng.random() < 0.25 else "cross_entropy",
+                    "init_scale": 2.0 ** (rng.randint(40, 60) if overflow else rng.randint(6, 12)),
+                    "overflow": overflow,
+                }
+            )
         rng.shuffle(cases)
         return cases
 
     def describe(self, case: dict) -> str:
         dtype = str(DTYPES[case["precision"]])  # "None", "torch.float16", "torch.bfloat16"
         scale = f", a scaler starting at init_scale=2**{math.log2(case['init_scale']):g}" if case["overflow"] else ""
-        return (f"accumulate(model, optimizer, scaler, micro-batches of sizes {case['sizes']}, "
-                f"F.{case['loss']}, dtype={dtype}{scale})")
+        return (
+            f"accumulate(model, optimizer, scaler, micro-batches of sizes {case['sizes']}, "
+            f"F.{case['loss']}, dtype={dtype}{scale})"
+        )
 
     def judge(self, cases: list, results: list) -> None:
         expect_list(results, "the answers to the cases", len(cases))
@@ -144,49 +171,79 @@ class Accumulate(Check):
         steps, updates = got["steps"], got["updates"]
         computed = str(DTYPES[case["precision"]] or torch.float32)
         if got["forward_dtypes"] != [computed]:
-            raise CheckFailure(f"{where}: the model's first layer computed in {got['forward_dtypes']!r}, expected "
-                               f"['{computed}']: run forward and loss under torch.autocast(device_type, "
-                               "dtype=dtype, enabled=dtype is not None)")
+            raise CheckFailure(
+                f"{where}: the model's first layer computed in {got['forward_dtypes']!r}, expected "
+                f"['{computed}']: run forward and loss under torch.autocast(device_type, "
+                "dtype=dtype, enabled=dtype is not None)"
+            )
         if sorted(got["forward_sizes"]) != sorted(sizes):
             concatenated = got["forward_sizes"] == [sum(sizes)]
-            raise CheckFailure(f"{where}: the model ran forward on batches of sizes {got['forward_sizes']}, expected "
-                               f"one forward per micro-batch, on that micro-batch alone ({sizes})"
-                               + (": one pass over the concatenated micro-batches is the large batch, not "
-                                  "accumulation (its memory is what accumulation saves)" if concatenated else ""))
+            raise CheckFailure(
+                f"{where}: the model ran forward on batches of sizes {got['forward_sizes']}, expected "
+                f"one forward per micro-batch, on that micro-batch alone ({sizes})"
+                + (
+                    ": one pass over the concatenated micro-batches is the large batch, not "
+                    "accumulation (its memory is what accumulation saves)"
+                    if concatenated
+                    else ""
+                )
+            )
         backwards = got["backward_autocast"]
         if len(backwards) != len(sizes):
-            raise CheckFailure(f"{where}: backward ran {len(backwards)} time(s) for {len(sizes)} micro-batches: "
-                               "call scaler.scale(loss).backward() once per micro-batch, right after its forward, "
-                               "so that each micro-batch's graph is freed before the next one is built")
+            raise CheckFailure(
+                f"{where}: backward ran {len(backwards)} time(s) for {len(sizes)} micro-batches: "
+                "call scaler.scale(loss).backward() once per micro-batch, right after its forward, "
+                "so that each micro-batch's graph is freed before the next one is built"
+            )
         if any(backwards):
-            raise CheckFailure(f"{where}: {sum(backwards)} of {len(backwards)} backward passes ran with autocast on: "
-                               "only the forward and the loss go inside the `with torch.autocast(...)` block; call "
-                               "scaler.scale(loss).backward() after it (chapter 02)")
+            raise CheckFailure(
+                f"{where}: {sum(backwards)} of {len(backwards)} backward passes ran with autocast on: "
+                "only the forward and the loss go inside the `with torch.autocast(...)` block; call "
+                "scaler.scale(loss).backward() after it (chapter 02)"
+            )
         for key, what in (("step_autocast", "the optimizer step"), ("update_autocast", "scaler.update()")):
             if any(got[key]):
-                raise CheckFailure(f"{where}: {what} ran with autocast on: step and update after the loop, "
-                                   "outside the `with torch.autocast(...)` block")
+                raise CheckFailure(
+                    f"{where}: {what} ran with autocast on: step and update after the loop, "
+                    "outside the `with torch.autocast(...)` block"
+                )
         if want["steps"] == 0 and steps > 0:
-            raise CheckFailure(f"{where}: the scaled fp16 gradients overflowed (inf/NaN), yet optimizer.step() ran "
-                               f"{steps} time(s). Call scaler.step(optimizer): it checks the gradients and skips "
-                               "the step when they hold inf or NaN (unscale_ followed by optimizer.step() applies "
-                               "them), then scaler.update() lowers the scale")
+            raise CheckFailure(
+                f"{where}: the scaled fp16 gradients overflowed (inf/NaN), yet optimizer.step() ran "
+                f"{steps} time(s). Call scaler.step(optimizer): it checks the gradients and skips "
+                "the step when they hold inf or NaN (unscale_ followed by optimizer.step() applies "
+                "them), then scaler.update() lowers the scale"
+            )
         if want["steps"] == 1 and steps == 0:
-            raise CheckFailure(f"{where}: optimizer.step() never ran. Call scaler.step(optimizer) once, after "
-                               "the last micro-batch" + (" (with the scaler on, an inf or NaN in the gradients "
-                                                         "makes it skip the step: were they scaled twice?)"
-                                                         if fp16 else ""))
+            raise CheckFailure(
+                f"{where}: optimizer.step() never ran. Call scaler.step(optimizer) once, after "
+                "the last micro-batch"
+                + (
+                    " (with the scaler on, an inf or NaN in the gradients "
+                    "makes it skip the step: were they scaled twice?)"
+                    if fp16
+                    else ""
+                )
+            )
         if steps > 1:
-            raise CheckFailure(f"{where}: optimizer.step() ran {steps} times for {len(sizes)} "
-                               "micro-batches; accumulation means one step, after the last micro-batch")
+            raise CheckFailure(
+                f"{where}: optimizer.step() ran {steps} times for {len(sizes)} "
+                "micro-batches; accumulation means one step, after the last micro-batch"
+            )
         if fp16 and updates != 1:
-            raise CheckFailure(f"{where}: scaler.update() ran {updates} times; call it once per optimizer step, "
-                               "after scaler.step: the scale must stay the same while gradients accumulate")
+            raise CheckFailure(
+                f"{where}: scaler.update() ran {updates} times; call it once per optimizer step, "
+                "after scaler.step: the scale must stay the same while gradients accumulate"
+            )
         if got["scale"] != want["scale"]:
-            why = (f"after a skipped step update() multiplies it by the backoff factor ({want['scale']:g})"
-                   if want["steps"] == 0 else "call scaler.update() once, after scaler.step(optimizer)")
-            raise CheckFailure(f"{where}: the scaler's scale is {got['scale']:g} after your loop, expected "
-                               f"{want['scale']:g}: {why}")
+            why = (
+                f"after a skipped step update() multiplies it by the backoff factor ({want['scale']:g})"
+                if want["steps"] == 0
+                else "call scaler.update() once, after scaler.step(optimizer)"
+            )
+            raise CheckFailure(
+                f"{where}: the scaler's scale is {got['scale']:g} after your loop, expected {want['scale']:g}: {why}"
+            )
         if want["steps"] == 0:
             return  # the step was rightly skipped: no gradient was applied to compare
         grads = got["grads"]
@@ -199,8 +256,10 @@ class Accumulate(Check):
         err = ((g - want_g).norm() / want_g.norm()).item()
         tol = TOLERANCE[case["precision"]]
         if err > tol:
-            raise CheckFailure(f"{where}: the gradients at optimizer.step() differ from the large batch's by "
-                               f"{err:.3g} (relative; rounding allows {tol:.2g}). {self._diagnose(case, g)}")
+            raise CheckFailure(
+                f"{where}: the gradients at optimizer.step() differ from the large batch's by "
+                f"{err:.3g} (relative; rounding allows {tol:.2g}). {self._diagnose(case, g)}"
+            )
 
     def _diagnose(self, case: dict, g: torch.Tensor) -> str:
         """Name the mistake whose gradient (computed here, in float64) the learner's is closest to."""
@@ -210,15 +269,18 @@ class Accumulate(Check):
         suspects = {
             "Each micro-batch's loss must be multiplied by len(y) / total (loss / N only when all sizes are "
             "equal): a short last micro-batch must count less.": [1 / n] * n,
-            "The loss was not divided: the gradient is the sum over the micro-batches, not their "
-            "average.": [1.0] * n,
+            "The loss was not divided: the gradient is the sum over the micro-batches, not their average.": [1.0] * n,
             "Only the last micro-batch counted: is zero_grad() inside the micro-batch loop?": [0.0] * (n - 1)
             + [right[-1]],
         }
         candidates = [(msg, _grad(case, w, double=True)) for msg, w in suspects.items()]
         # gradients left in .grad were never multiplied by the scale, yet unscale_ divides them by it
         kept = junk(case).double() / (case["init_scale"] if case["precision"] == "fp16" else 1.0)
-        candidates.append(("The gradients already in .grad before the call were kept: zero the gradients first.",
-                           _grad(case, right, double=True) + kept))
+        candidates.append(
+            (
+                "The gradients already in .grad before the call were kept: zero the gradients first.",
+                _grad(case, right, double=True) + kept,
+            )
+        )
         best, dist = min(((msg, ((g - c).norm() / c.norm()).item()) for msg, c in candidates), key=lambda t: t[1])
         return best if dist < 0.05 else "Compare your loop with the hint."

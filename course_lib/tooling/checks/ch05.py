@@ -11,6 +11,7 @@ unscale_; backward, unscale_, clipping, steps and update outside autocast), runs
 on the same case and compares the parameters, the steps taken and the scale; where the
 parameters differ, it runs loops with one known mistake each to say which one it is.
 """
+
 from __future__ import annotations
 
 import random
@@ -26,8 +27,14 @@ from ..probes.ch05 import KINDS, build, flat
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
 # the calls that must run outside autocast (zero_grad may run anywhere), as the messages name them
-OUTSIDE = {"backward": "backward()", "unscale_": "scaler.unscale_()", "clip": "clip_grad_norm_()",
-           "scaler.step": "scaler.step()", "step": "the optimizer step", "update": "scaler.update()"}
+OUTSIDE = {
+    "backward": "backward()",
+    "unscale_": "scaler.unscale_()",
+    "clip": "clip_grad_norm_()",
+    "scaler.step": "scaler.step()",
+    "step": "the optimizer step",
+    "update": "scaler.update()",
+}
 
 
 def _reference(case: dict, dtype: torch.dtype, mistake: str | None = None) -> dict:
@@ -69,9 +76,9 @@ def reference_loop(model0, model1, opt0, opt1, scaler, batches, max_norm, dtype,
 
 MISTAKES = {
     "zero_between": "opt1.zero_grad() runs between the two backward() calls: model1 loses loss0's gradient. Clear "
-                    "both optimizers' gradients once, before the forward",
+    "both optimizers' gradients once, before the forward",
     "no_clip": "model0's gradients are not clipped: scaler.unscale_(opt0), then clip_grad_norm_(model0's "
-               "parameters, max_norm)",
+    "parameters, max_norm)",
     "clip_both": "model1's gradients are clipped too: clip model0's only (and unscale only opt0)",
 }
 
@@ -80,12 +87,17 @@ def _calls_message(calls: list, iterations: int) -> str | None:
     """What is wrong with the sequence of calls, in words; None if nothing."""
     updates = sum(k == "update" for k, _, _, _ in calls)
     if updates != iterations:
-        return (f"scaler.update() ran {updates} times in {iterations} iterations: call it exactly once per "
-                "iteration, after scaler.step() of both optimizers")
+        return (
+            f"scaler.update() ran {updates} times in {iterations} iterations: call it exactly once per "
+            "iteration, after scaler.step() of both optimizers"
+        )
     direct = sorted({i for k, i, via, _ in calls if k == "step" and not via})
     if direct:
-        return (f"opt{direct[0]}.step() was called directly: with a GradScaler its gradients are still multiplied "
-                "by the scale, and inf/NaN steps are not skipped. Use scaler.step(opt" f"{direct[0]})")
+        return (
+            f"opt{direct[0]}.step() was called directly: with a GradScaler its gradients are still multiplied "
+            "by the scale, and inf/NaN steps are not skipped. Use scaler.step(opt"
+            f"{direct[0]})"
+        )
     for i in (0, 1):
         n = sum(k == "scaler.step" and j == i for k, j, _, _ in calls)
         if n != iterations:
@@ -99,13 +111,17 @@ def _calls_message(calls: list, iterations: int) -> str | None:
         elif kind == "unscale_":
             unscaled.add(i)
         elif kind == "clip" and 0 in extra and 0 not in unscaled:
-            return ("model0's gradients were clipped before scaler.unscale_(opt0): they were still multiplied by the "
-                    "scale, so clipping cut them far too much. Unscale first, then clip")
+            return (
+                "model0's gradients were clipped before scaler.unscale_(opt0): they were still multiplied by the "
+                "scale, so clipping cut them far too much. Unscale first, then clip"
+            )
         elif kind == "update":
             if stepped != {0, 1}:
-                return ("scaler.update() ran before scaler.step(opt1): update() may change the scale, and opt1's "
-                        "gradients, scaled with the old one, are then unscaled with the new one. Step both "
-                        "optimizers, then update once")
+                return (
+                    "scaler.update() ran before scaler.step(opt1): update() may change the scale, and opt1's "
+                    "gradients, scaled with the old one, are then unscaled with the new one. Step both "
+                    "optimizers, then update once"
+                )
             stepped, unscaled = set(), set()
     return None
 
@@ -116,9 +132,11 @@ def _autocast_message(calls: list) -> str | None:
     if not inside:
         return None
     names = ", ".join(dict.fromkeys(inside))  # each name once, in the order they first ran
-    return (f"{len(inside)} calls ran with autocast on ({names}): only the forward passes and the losses go inside "
-            "`with torch.autocast(...)`; backward, unscale_, clipping, the steps and update() come after the block "
-            "(chapter 02: autocast is for the forward pass)")
+    return (
+        f"{len(inside)} calls ran with autocast on ({names}): only the forward passes and the losses go inside "
+        "`with torch.autocast(...)`; backward, unscale_, clipping, the steps and update() come after the block "
+        "(chapter 02: autocast is for the forward pass)"
+    )
 
 
 def _expect_calls(value: object, where: str) -> list:
@@ -127,11 +145,15 @@ def _expect_calls(value: object, where: str) -> list:
     for n, call in enumerate(calls):
         kind, index, extra, on = expect_list(call, f"{where}: recorded call {n + 1}", 4)
         if kind not in KINDS or not isinstance(on, bool) or not (index is None or index in (0, 1)):
-            raise CheckFailure(f"{where}: recorded call {n + 1}: expected [one of {list(KINDS)}, 0, 1 or None, "
-                               f"details, True/False], got {call!r:.80}")
+            raise CheckFailure(
+                f"{where}: recorded call {n + 1}: expected [one of {list(KINDS)}, 0, 1 or None, "
+                f"details, True/False], got {call!r:.80}"
+            )
         if kind == "clip" and not (isinstance(extra, list) and all(i in (0, 1) for i in extra)):
-            raise CheckFailure(f"{where}: recorded call {n + 1}: expected the optimizers owning the clipped "
-                               f"parameters, got {extra!r:.60}")
+            raise CheckFailure(
+                f"{where}: recorded call {n + 1}: expected the optimizers owning the clipped "
+                f"parameters, got {extra!r:.60}"
+            )
     return calls
 
 
@@ -151,31 +173,47 @@ def _close(got: torch.Tensor, want: torch.Tensor, start: torch.Tensor) -> tuple[
 @register
 class FixTwoModels(Check):
     name, args, points = "05.fix_two_models", ("train_two_models",), 4
-    hint = ("Per iteration: zero both optimizers' gradients; forward and both losses under autocast; "
-            "scaler.scale(loss0).backward(retain_graph=True); scaler.scale(loss1).backward(); "
-            "scaler.unscale_(opt0); clip model0's gradients; scaler.step(opt0); scaler.step(opt1); "
-            "scaler.update() once, last. Everything after the losses runs outside the autocast block.")
+    hint = (
+        "Per iteration: zero both optimizers' gradients; forward and both losses under autocast; "
+        "scaler.scale(loss0).backward(retain_graph=True); scaler.scale(loss1).backward(); "
+        "scaler.unscale_(opt0); clip model0's gradients; scaler.step(opt0); scaler.step(opt1); "
+        "scaler.update() once, last. Everything after the losses runs outside the autocast block."
+    )
     forbidden = ("course_lib.chapters.multi",)
     forbidden_why = "fix the loop yourself instead of calling chapter 05's two_model_step"
     time_limit = 60.0
 
     def cases(self, rng: random.Random) -> list:
         dtype = str(amp_mode("cpu").dtype).removeprefix("torch.")
-        cases = [{"seed": rng.getrandbits(31), "iterations": rng.randint(4, 6), "batch": rng.choice([8, 16, 32]),
-                  "lr": rng.uniform(0.01, 0.05), "max_norm": rng.uniform(0.05, 0.3), "dtype": dtype,
-                  "init_scale": 2.0 ** scale_exp, "growth_interval": rng.choice([1, 2, 3])}
-                 for scale_exp in (rng.randint(6, 10), rng.randint(12, 14), 16)]
+        cases = [
+            {
+                "seed": rng.getrandbits(31),
+                "iterations": rng.randint(4, 6),
+                "batch": rng.choice([8, 16, 32]),
+                "lr": rng.uniform(0.01, 0.05),
+                "max_norm": rng.uniform(0.05, 0.3),
+                "dtype": dtype,
+                "init_scale": 2.0**scale_exp,
+                "growth_interval": rng.choice([1, 2, 3]),
+            }
+            for scale_exp in (rng.randint(6, 10), rng.randint(12, 14), 16)
+        ]
         # The last case overflows fp16 at first, so that skipped steps are exercised: both optimizers of a
         # correct loop must skip at least once. 2^16 nearly always does; where it does not, double it.
         last = cases[-1]
-        while dtype == "float16" and last["init_scale"] < 2.0 ** 24 and max(
-                _reference(last, torch.float16)["steps"]) == last["iterations"]:
+        while (
+            dtype == "float16"
+            and last["init_scale"] < 2.0**24
+            and max(_reference(last, torch.float16)["steps"]) == last["iterations"]
+        ):
             last["init_scale"] *= 2
         return cases
 
     def describe(self, case: dict) -> str:
-        return (f"train_two_models on {case['iterations']} batches (seed {case['seed']}, init_scale "
-                f"{case['init_scale']:g}, growth_interval {case['growth_interval']})")
+        return (
+            f"train_two_models on {case['iterations']} batches (seed {case['seed']}, init_scale "
+            f"{case['init_scale']:g}, growth_interval {case['growth_interval']})"
+        )
 
     def judge(self, cases: list, results: list) -> None:
         expect_list(results, "the answers to the cases", len(cases))
@@ -187,8 +225,10 @@ class FixTwoModels(Check):
         got = expect_dict(got, f"{where}: the record of your loop", ("params0", "params1", "scale", "steps", "calls"))
         start = [flat(m) for m in build(case)[:2]]
         mine = [_expect_params(got[f"params{i}"], f"{where}: model{i}'s parameters", start[i].numel()) for i in (0, 1)]
-        steps = [expect_number(s, f"{where}: the steps opt{i} took", integer=True)
-                 for i, s in enumerate(expect_list(got["steps"], f"{where}: the steps each optimizer took", 2))]
+        steps = [
+            expect_number(s, f"{where}: the steps opt{i} took", integer=True)
+            for i, s in enumerate(expect_list(got["steps"], f"{where}: the steps each optimizer took", 2))
+        ]
         scale = expect_number(got["scale"], f"{where}: the scaler's scale")
         calls = _expect_calls(got["calls"], where)
         why = _calls_message(calls, n) or _autocast_message(calls)
@@ -204,14 +244,20 @@ class FixTwoModels(Check):
                 if all(_close(mine[i], variant[i], start[i])[0] for i in (0, 1)):
                     raise CheckFailure(f"{where}: the parameters match a loop in which {text}")
             i = 0 if not checks[0][0] else 1
-            raise CheckFailure(f"{where}: after {n} iterations model{i}'s parameters differ from a "
-                               f"correct loop's (by {checks[i][1]:.3g} of the change a correct loop makes). Compare "
-                               "your loop with the hint, line by line")
+            raise CheckFailure(
+                f"{where}: after {n} iterations model{i}'s parameters differ from a "
+                f"correct loop's (by {checks[i][1]:.3g} of the change a correct loop makes). Compare "
+                "your loop with the hint, line by line"
+            )
         for i in (0, 1):
             if steps[i] != want["steps"][i]:
-                raise CheckFailure(f"{where}: opt{i} took {steps[i]} steps in {n} iterations, a correct loop "
-                                   f"{want['steps'][i]}: scaler.step(opt{i}) skips the step exactly when opt{i}'s own "
-                                   "gradients hold inf or NaN, whatever the other optimizer's hold")
+                raise CheckFailure(
+                    f"{where}: opt{i} took {steps[i]} steps in {n} iterations, a correct loop "
+                    f"{want['steps'][i]}: scaler.step(opt{i}) skips the step exactly when opt{i}'s own "
+                    "gradients hold inf or NaN, whatever the other optimizer's hold"
+                )
         if scale != want["scale"]:
-            raise CheckFailure(f"{where}: the scale is {scale:g} at the end, a correct loop's {want['scale']:g}: "
-                               "scaler.update() once per iteration, after both scaler.step() calls")
+            raise CheckFailure(
+                f"{where}: the scale is {scale:g} at the end, a correct loop's {want['scale']:g}: "
+                "scaler.update() once per iteration, after both scaler.step() calls"
+            )

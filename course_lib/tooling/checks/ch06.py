@@ -4,6 +4,7 @@ the timing check hands the learner's helper a fake asynchronous device whose wor
 when `sync()` waits for it, so a helper that forgets to synchronize measures nothing. That device
 is the grader (TimeIt.host): the kernel side (course_lib/tooling/probes/ch06.py) only asks it to
 queue work or to wait, so the durations are never in the learner's kernel."""
+
 from __future__ import annotations
 
 import random
@@ -16,20 +17,33 @@ from ..grading import Check, CheckFailure, expect_dict, expect_list, expect_numb
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
 DATA_ROW = "enumerate(DataLoader)#_{}DataLoaderIter.__next__"
-FORWARD = [("aten::conv2d", 2), ("aten::linear", 2), ("aten::batch_norm", 1), ("aten::relu", 1),
-           ("aten::cross_entropy_loss", 1)]
-BACKWARD = [("autograd::engine::evaluate_function: ConvolutionBackward0", 2),
-            ("autograd::engine::evaluate_function: AddmmBackward0", 2),
-            ("autograd::engine::evaluate_function: NativeBatchNormBackward0", 1),
-            ("autograd::engine::evaluate_function: ReluBackward0", 1),
-            ("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 1)]
+FORWARD = [
+    ("aten::conv2d", 2),
+    ("aten::linear", 2),
+    ("aten::batch_norm", 1),
+    ("aten::relu", 1),
+    ("aten::cross_entropy_loss", 1),
+]
+BACKWARD = [
+    ("autograd::engine::evaluate_function: ConvolutionBackward0", 2),
+    ("autograd::engine::evaluate_function: AddmmBackward0", 2),
+    ("autograd::engine::evaluate_function: NativeBatchNormBackward0", 1),
+    ("autograd::engine::evaluate_function: ReluBackward0", 1),
+    ("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 1),
+]
 OPTIMIZER = [("Optimizer.step#AdamW.step", 1), ("Optimizer.zero_grad#AdamW.zero_grad", 1)]
 LOW = ("c10::BFloat16", "c10::Half")
 
 
 def _row(name: str, calls: float, cpu_ms: float, device_ms: float, kernels: float, types: list[str]) -> dict:
-    return {"name": name, "calls": calls, "cpu_ms": round(cpu_ms, 4), "device_ms": round(device_ms, 4),
-            "kernels": kernels, "input_types": types}
+    return {
+        "name": name,
+        "calls": calls,
+        "cpu_ms": round(cpu_ms, 4),
+        "device_ms": round(device_ms, 4),
+        "kernels": kernels,
+        "input_types": types,
+    }
 
 
 def _profile(kind: str, rng: random.Random) -> dict:
@@ -55,8 +69,11 @@ def _profile(kind: str, rng: random.Random) -> dict:
             types = [low if kind == "fewer_flops" else "float", "Scalar"]
         ops.append(_row(name, calls, cpu, device, kernels, types))
     if kind == "data":
-        ops.append(_row(DATA_ROW.format(rng.choice(["Single", "MultiProcessing"])), 1, step * rng.uniform(0.45, 0.8),
-                        0.0, 0, []))
+        ops.append(
+            _row(
+                DATA_ROW.format(rng.choice(["Single", "MultiProcessing"])), 1, step * rng.uniform(0.45, 0.8), 0.0, 0, []
+            )
+        )
     else:  # a batch that was ready: a short DataLoader row
         ops.append(_row(DATA_ROW.format("MultiProcessing"), 1, step * rng.uniform(0.005, 0.08), 0.0, 0, []))
     if kind in ("amp", "fewer_flops"):  # the CPU ran ahead and waits for the busy GPU in the loss read-back
@@ -69,18 +86,22 @@ def _profile(kind: str, rng: random.Random) -> dict:
 def _describe_profile(p: dict) -> str:
     data = sum(r["cpu_ms"] for r in p["ops"] if r["name"].startswith("enumerate(DataLoader)"))
     busy = sum(r["device_ms"] for r in p["ops"])
-    return (f"a profile with step_ms={p['step_ms']:.1f}, DataLoader {data / p['step_ms']:.0%} of the step, "
-            f"kernels busy {busy / p['step_ms']:.0%}")
+    return (
+        f"a profile with step_ms={p['step_ms']:.1f}, DataLoader {data / p['step_ms']:.0%} of the step, "
+        f"kernels busy {busy / p['step_ms']:.0%}"
+    )
 
 
 @register
 class DiagnoseStep(Check):
     name, args, points = "06.diagnose_step", ("diagnose_step",), 3
-    hint = ("Ask the chapter's three questions in order. 1: the DataLoader row's cpu_ms >= 30% of step_ms -> "
-            "('data', 'more_workers'). 2: all rows' device_ms summed < 50% of step_ms -> ('overhead', "
-            "'fewer_launches'). 3: otherwise look at the row with the most device_ms: its input_types in bf16/fp16 "
-            "-> ('compute', 'fewer_flops'), else ('compute', 'amp'). A big cpu_ms alone (aten::item) is the CPU "
-            "waiting, not working.")
+    hint = (
+        "Ask the chapter's three questions in order. 1: the DataLoader row's cpu_ms >= 30% of step_ms -> "
+        "('data', 'more_workers'). 2: all rows' device_ms summed < 50% of step_ms -> ('overhead', "
+        "'fewer_launches'). 3: otherwise look at the row with the most device_ms: its input_types in bf16/fp16 "
+        "-> ('compute', 'fewer_flops'), else ('compute', 'amp'). A big cpu_ms alone (aten::item) is the CPU "
+        "waiting, not working."
+    )
     forbidden = ("course_lib",)
     forbidden_why = "write the three questions yourself instead of calling course_lib.chapters.traces.diagnose"
 
@@ -99,8 +120,10 @@ class DiagnoseStep(Check):
                 continue
             shown = tuple(got) if isinstance(got, list) else got
             if not (isinstance(got, list) and len(got) == 2 and got[1] in FIXES):
-                raise CheckFailure(f"{self.describe(case)} returned {shown!r}; expected a pair (bottleneck, fix) "
-                                   f"with the fix one of {sorted(FIXES)}, here {tuple(want)!r}")
+                raise CheckFailure(
+                    f"{self.describe(case)} returned {shown!r}; expected a pair (bottleneck, fix) "
+                    f"with the fix one of {sorted(FIXES)}, here {tuple(want)!r}"
+                )
             raise CheckFailure(f"{self.describe(case)} returned {shown!r}, expected {tuple(want)!r}")
 
 
@@ -130,10 +153,12 @@ def _device(case: dict) -> dict:
 @register
 class TimeIt(Check):
     name, args, points = "06.time_it", ("time_it",), 3
-    hint = ("Call fn() `warmup` times, then sync() once, so the warm-up's work is finished before any clock starts. "
-            "Then for each of `iters` calls: read time.perf_counter(), call fn(), call sync(), read the clock again. "
-            "Return {'median_ms': ..., 'q1_ms': ..., 'q3_ms': ...} of those times in milliseconds "
-            "(statistics.quantiles(times, n=4) gives the quartiles).")
+    hint = (
+        "Call fn() `warmup` times, then sync() once, so the warm-up's work is finished before any clock starts. "
+        "Then for each of `iters` calls: read time.perf_counter(), call fn(), call sync(), read the clock again. "
+        "Return {'median_ms': ..., 'q1_ms': ..., 'q3_ms': ...} of those times in milliseconds "
+        "(statistics.quantiles(times, n=4) gives the quartiles)."
+    )
     time_limit = 40.0
 
     def cases(self, rng: random.Random) -> list:
@@ -179,16 +204,22 @@ class TimeIt(Check):
             if log.count("f") != w + n:
                 raise CheckFailure(f"{call} called fn {log.count('f')} times; expected warmup + iters = {w + n}")
             if "s" not in log:
-                raise CheckFailure(f"{call} never called sync(): fn() only queues its work, like a CUDA launch, so "
-                                   "without sync() the clock measures how fast work is queued, not how long it runs")
+                raise CheckFailure(
+                    f"{call} never called sync(): fn() only queues its work, like a CUDA launch, so "
+                    "without sync() the clock measures how fast work is queued, not how long it runs"
+                )
             calls = log.split("f")  # calls[i] = what happened between the i-th and the (i+1)-th call of fn
             if "s" not in calls[w]:
-                raise CheckFailure(f"{call} did not call sync() between the warm-up and the first timed call: the "
-                                   "warm-up's queued work then runs inside the first timed call")
+                raise CheckFailure(
+                    f"{call} did not call sync() between the warm-up and the first timed call: the "
+                    "warm-up's queued work then runs inside the first timed call"
+                )
             missing = [i for i in range(w + 1, w + n + 1) if "s" not in calls[i]]
             if missing:
-                raise CheckFailure(f"{call}: timed call {missing[0] - w} of {n} was not followed by sync() before "
-                                   "the next call or the end: its clock stopped before its work had run")
+                raise CheckFailure(
+                    f"{call}: timed call {missing[0] - w} of {n} was not followed by sync() before "
+                    "the next call or the end: its clock stopped before its work had run"
+                )
             got = expect_dict(r, call, ("result",))["result"]
             if not isinstance(got, dict) or not {"median_ms", "q1_ms", "q3_ms"} <= set(got):
                 raise CheckFailure(f"{call} returned {got!r}; expected a dict with 'median_ms', 'q1_ms' and 'q3_ms'")
@@ -202,18 +233,23 @@ class TimeIt(Check):
             real_q1, real_median, real_q3 = statistics.quantiles(real, n=4, method="inclusive")
             if not _close(got["median_ms"], median, real_median):
                 value = got["median_ms"]
-                mistakes = {"that is the mean, which the one slow call pulls up; return the median":
-                            statistics.mean(ms),
-                            "that includes the slow warm-up calls; time only the last `iters` calls":
-                            statistics.median(1000 * s for s in case["seconds"])}
+                mistakes = {
+                    "that is the mean, which the one slow call pulls up; return the median": statistics.mean(ms),
+                    "that includes the slow warm-up calls; time only the last `iters` calls": statistics.median(
+                        1000 * s for s in case["seconds"]
+                    ),
+                }
                 why, near = min(mistakes.items(), key=lambda kv: abs(value - kv[1]) / kv[1])
                 if median / 2000 <= value <= median / 500:
                     why = "that looks like seconds; return milliseconds"
                 elif abs(value - near) > 0.3 * near:
                     why = "the median of the timed calls is asked for"
-                raise CheckFailure(f"{call} returned median_ms={value!r}, but the median timed call took "
-                                   f"about {median:.1f} ms: {why}")
+                raise CheckFailure(
+                    f"{call} returned median_ms={value!r}, but the median timed call took about {median:.1f} ms: {why}"
+                )
             for key, want, real_want in (("q1_ms", q1, real_q1), ("q3_ms", q3, real_q3)):
                 if not _close(got[key], want, real_want):
-                    raise CheckFailure(f"{call} returned {key}={got[key]!r}, but the {key[:2]} quartile of the timed "
-                                       f"calls is about {want:.1f} ms")
+                    raise CheckFailure(
+                        f"{call} returned {key}={got[key]!r}, but the {key[:2]} quartile of the timed "
+                        f"calls is about {want:.1f} ms"
+                    )

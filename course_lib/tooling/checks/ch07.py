@@ -6,6 +6,7 @@ headroom), at most the cores there are. For the machine it measured itself it al
 loader in its own process on its own dataset and augmentation, and measures how long a training
 loop with a fixed simulated step waits for data. Nothing the learner's code measures or prints is
 used: only the settings."""
+
 from __future__ import annotations
 
 import functools
@@ -24,9 +25,9 @@ from ..probes.ch07 import KEYS
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
-THRESHOLD = 0.15   # at most this fraction of the loop's time may be spent waiting for data
-NOISE = 0.08       # the best of two runs of the same settings differ by about this much on 2 cores
-CHANCES = 3        # runs of the learner's settings at most, when the first one waits too long
+THRESHOLD = 0.15  # at most this fraction of the loop's time may be spent waiting for data
+NOISE = 0.08  # the best of two runs of the same settings differ by about this much on 2 cores
+CHANCES = 3  # runs of the learner's settings at most, when the first one waits too long
 STEPS = 20
 MEASURE_LIMIT = 120.0  # seconds for one submission's measurements, torch's import included
 # Machines the check describes besides its own: (cores to draw from, workers needed = load_ms / step_ms).
@@ -34,9 +35,15 @@ MEASURE_LIMIT = 120.0  # seconds for one submission's measurements, torch's impo
 # slow model need few (num_workers = cpus is far too many); few cores and a fast model need all the
 # cores and no more (the rates alone are not the answer).
 DESCRIBED = (((32, 48, 64), (9.5, 12.0)), ((16, 24, 32), (1.2, 1.8)), ((3, 5, 6), (7.0, 10.0)))
-ALLOWED = {"batch_size": "the case's batch size", "num_workers": "an int from 0 to {max_workers}",
-           "prefetch_factor": "None or an int from 1 to 16", "persistent_workers": "True or False",
-           "pin_memory": "True or False", "shuffle": "True or False", "drop_last": "True or False"}
+ALLOWED = {
+    "batch_size": "the case's batch size",
+    "num_workers": "an int from 0 to {max_workers}",
+    "prefetch_factor": "None or an int from 1 to 16",
+    "persistent_workers": "True or False",
+    "pin_memory": "True or False",
+    "shuffle": "True or False",
+    "drop_last": "True or False",
+}
 # Judges of several submissions run in threads of one grader: measuring one at a time keeps one
 # measurement's workers from taking the cores another measurement needs.
 _MEASURING = threading.Lock()
@@ -56,12 +63,14 @@ def validate(settings: object, case: dict) -> dict:
     """The settings as DataLoader keyword arguments, or CheckFailure saying what is wrong with them."""
     example = "{'batch_size': %d, 'num_workers': 2}" % case["batch_size"]
     if not isinstance(settings, dict):
-        raise CheckFailure(f"loader_settings returned {settings!r}; expected a dict of DataLoader keyword "
-                           f"arguments, e.g. {example}")
+        raise CheckFailure(
+            f"loader_settings returned {settings!r}; expected a dict of DataLoader keyword arguments, e.g. {example}"
+        )
     unknown = sorted(set(settings) - set(ALLOWED))
     if unknown:
-        raise CheckFailure(f"loader_settings returned settings this task does not take: {unknown}; "
-                           f"allowed: {sorted(ALLOWED)}")
+        raise CheckFailure(
+            f"loader_settings returned settings this task does not take: {unknown}; allowed: {sorted(ALLOWED)}"
+        )
     limit = _max_workers(case["cpus"])
     for key, value in settings.items():
         if key == "batch_size":
@@ -74,11 +83,14 @@ def validate(settings: object, case: dict) -> dict:
             ok = type(value) is bool
         if not ok:
             want = ALLOWED[key].format(max_workers=limit)
-            raise CheckFailure(f"loader_settings returned {key}={value!r}; expected {want}"
-                               + (" (the model's batch size is fixed)" if key == "batch_size" else ""))
+            raise CheckFailure(
+                f"loader_settings returned {key}={value!r}; expected {want}"
+                + (" (the model's batch size is fixed)" if key == "batch_size" else "")
+            )
     if "batch_size" not in settings:
-        raise CheckFailure(f"loader_settings returned no batch_size; the model takes batches of "
-                           f"{case['batch_size']}, e.g. {example}")
+        raise CheckFailure(
+            f"loader_settings returned no batch_size; the model takes batches of {case['batch_size']}, e.g. {example}"
+        )
     return dict(settings)
 
 
@@ -97,22 +109,29 @@ def check_workers(case: dict, settings: dict, call: str) -> None:
     if low <= workers <= high:
         return
     need, cpus = case["load_ms"] / case["step_ms"], case["cpus"]
-    rates = (f"each worker makes one batch per load_ms={case['load_ms']:g} ms and the model takes one per "
-             f"step_ms={case['step_ms']:g} ms, so load_ms / step_ms = {need:.2f} workers keep up")
+    rates = (
+        f"each worker makes one batch per load_ms={case['load_ms']:g} ms and the model takes one per "
+        f"step_ms={case['step_ms']:g} ms, so load_ms / step_ms = {need:.2f} workers keep up"
+    )
     if low == high:
-        want = (f"{low} (all its cpus={cpus} cores: more cannot run at once)" if low == cpus < math.ceil(need)
-                else str(low))
+        want = (
+            f"{low} (all its cpus={cpus} cores: more cannot run at once)" if low == cpus < math.ceil(need) else str(low)
+        )
     else:
         want = f"{low} to {high} (a little headroom{', within its ' + str(cpus) + ' cores' if high == cpus else ''})"
     default = " (the default: loading in the training process)" if "num_workers" not in settings else ""
-    raise CheckFailure(f"{call} returned num_workers={workers}{default}: there {rates}; expected {want}. "
-                       "The worker count follows from these numbers, not from a constant")
+    raise CheckFailure(
+        f"{call} returned num_workers={workers}{default}: there {rates}; expected {want}. "
+        "The worker count follows from these numbers, not from a constant"
+    )
 
 
 def reference_settings(case: dict) -> dict:
     """The grader's own answer: enough workers to keep up, within the cores there are."""
-    return {"batch_size": case["batch_size"],
-            "num_workers": min(max(case["cpus"], 1), loading.workers_needed(case["load_ms"], case["step_ms"]))}
+    return {
+        "batch_size": case["batch_size"],
+        "num_workers": min(max(case["cpus"], 1), loading.workers_needed(case["load_ms"], case["step_ms"])),
+    }
 
 
 def measurements(case: dict, settings: dict) -> tuple[float, float | None]:
@@ -149,11 +168,13 @@ def wait_fraction(settings: dict, step_ms: float) -> float:
 @register
 class LoaderSettings(Check):
     name, args, points = "07.loader_settings", ("loader_settings",), 4
-    hint = ("Each worker makes one batch every load_ms; the model takes one every step_ms. So you need at least "
-            "load_ms / step_ms workers (round up, and leave some headroom: the chapter's workers_needed adds 25%), "
-            "but never more than `cpus`: more cannot run at once. Compute it from the four arguments, as the "
-            "check calls your function for several machines (a few cores to 64): no constant count fits them all. "
-            "num_workers=0 loads in the training process itself, between steps.")
+    hint = (
+        "Each worker makes one batch every load_ms; the model takes one every step_ms. So you need at least "
+        "load_ms / step_ms workers (round up, and leave some headroom: the chapter's workers_needed adds 25%), "
+        "but never more than `cpus`: more cannot run at once. Compute it from the four arguments, as the "
+        "check calls your function for several machines (a few cores to 64): no constant count fits them all. "
+        "num_workers=0 loads in the training process itself, between steps."
+    )
     time_limit = 30.0
 
     def cases(self, rng: random.Random) -> list:
@@ -167,13 +188,27 @@ class LoaderSettings(Check):
             load_ms = per_image_ms * batch_size
             # a model faster than one core's augmentation, but one that the cores here can keep fed
             ratio = rng.uniform(0.65, 0.75) if n >= 2 else rng.uniform(1.3, 1.5)
-            out.append({"batch_size": batch_size, "load_ms": round(load_ms, 1),
-                        "step_ms": round(ratio * load_ms, 1), "cpus": n, "measured": True})
+            out.append(
+                {
+                    "batch_size": batch_size,
+                    "load_ms": round(load_ms, 1),
+                    "step_ms": round(ratio * load_ms, 1),
+                    "cpus": n,
+                    "measured": True,
+                }
+            )
         for cores, (low, high) in DESCRIBED:  # other machines: the same rule, not measured here
             batch_size, need = rng.choice([64, 128, 256]), rng.uniform(low, high)
             load_ms = round(batch_size * rng.uniform(0.3, 2.0), 1)  # one core's cost of a batch there
-            out.append({"batch_size": batch_size, "load_ms": load_ms, "step_ms": round(load_ms / need, 1),
-                        "cpus": rng.choice(cores), "measured": False})
+            out.append(
+                {
+                    "batch_size": batch_size,
+                    "load_ms": load_ms,
+                    "step_ms": round(load_ms / need, 1),
+                    "cpus": rng.choice(cores),
+                    "measured": False,
+                }
+            )
         rng.shuffle(out)
         return out
 
@@ -208,12 +243,16 @@ class LoaderSettings(Check):
             return
         in_process = settings.get("num_workers", 0) == 0
         if in_process or mine > allowed_wait(theirs):
-            rule = ("num_workers=0 loads between steps and never passes" if in_process else
-                    f"or not much more than the grader's own settings: {allowed_wait(theirs):.0%} here")
+            rule = (
+                "num_workers=0 loads between steps and never passes"
+                if in_process
+                else f"or not much more than the grader's own settings: {allowed_wait(theirs):.0%} here"
+            )
             raise CheckFailure(
                 f"{call} returned {settings!r}: a loop with {step:g} ms of compute per step waited for data "
                 f"{mine:.0%} of the time (at most {THRESHOLD:.0%} passes, {rule}); with {ours!r} it waited "
-                f"{theirs:.0%} on this machine just now")
+                f"{theirs:.0%} on this machine just now"
+            )
         # Within noise of the grader's own settings on this machine, now, passes: a machine where
         # those barely hide the loading (or cannot: a busy one) must not fail an answer as good.
         # Loading in the training process itself never passes.
@@ -227,6 +266,7 @@ def allowed_wait(theirs: float) -> float:
     because a busy machine's runs differ more. Continuous in `theirs`: no cliff at the threshold.
     """
     return max(THRESHOLD, theirs + NOISE + max(0.0, theirs - THRESHOLD))
+
 
 if __name__ == "__main__":  # measure_in_fresh_process: python -m course_lib.tooling.checks.ch07 '[case, settings]'
     print(json.dumps(measurements(*json.loads(sys.argv[1]))))

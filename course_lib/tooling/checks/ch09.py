@@ -9,6 +9,7 @@ measures or prints is used: only the settings.
 09.first_overflow and 09.mfu: property checks on fresh random inputs, answers computed here.
 The kernel side is course_lib/tooling/probes/ch09.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,9 +23,9 @@ from ..grading import Check, CheckFailure, expect_list, in_fresh_process, regist
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
-THRESHOLD = 5.0        # the learner's settings must train at least this many times faster than the slow script
-ACCURACY_DROP = 0.02   # and reach the slow script's test accuracy, at most this much lower
-REPEATS = 3            # each script runs this many times, alternately; the best time of each counts
+THRESHOLD = 5.0  # the learner's settings must train at least this many times faster than the slow script
+ACCURACY_DROP = 0.02  # and reach the slow script's test accuracy, at most this much lower
+REPEATS = 3  # each script runs this many times, alternately; the best time of each counts
 MEASURE_LIMIT = 240.0  # seconds for one submission's measurements, torch's import included
 FP16_MAX = 65504.0
 # Judges of several submissions run in threads of one grader: one measurement at a time.
@@ -33,11 +34,14 @@ _MEASURING = threading.Lock()
 
 # --------------------------------------------------------------------------- 09.speed_up
 
+
 def validate(settings: object, slow: dict) -> dict:
     """The full settings, or CheckFailure: refused by the script, or the recipe changed."""
     if not isinstance(settings, dict):
-        raise CheckFailure(f"speed_up returned {settings!r}; expected a dict of the script's settings, "
-                           "e.g. {**slow, 'detect_anomaly': False}")
+        raise CheckFailure(
+            f"speed_up returned {settings!r}; expected a dict of the script's settings, "
+            "e.g. {**slow, 'detect_anomaly': False}"
+        )
     try:
         full = speedup.validate_settings(settings)
     except ValueError as e:
@@ -45,9 +49,11 @@ def validate(settings: object, slow: dict) -> dict:
     changed = [k for k in speedup.RECIPE if full[k] != slow[k]]
     if changed:
         k = changed[0]
-        raise CheckFailure(f"speed_up changed the recipe: {k}={full[k]!r}, the slow script's is {slow[k]!r}. "
-                           "The recipe decides what is learned; start from the settings you are given "
-                           "({**slow, ...}) and change only how the script computes")
+        raise CheckFailure(
+            f"speed_up changed the recipe: {k}={full[k]!r}, the slow script's is {slow[k]!r}. "
+            "The recipe decides what is learned; start from the settings you are given "
+            "({**slow, ...}) and change only how the script computes"
+        )
     return full
 
 
@@ -55,6 +61,7 @@ def measurements(slow: dict, fast: dict, repeats: int = REPEATS) -> dict:
     """Both scripts, alternately, `repeats` times each, on one torch thread (a busy machine then slows
     both alike): the best time of each, with the accuracy, samples and steps of its first run."""
     import torch
+
     torch.set_num_threads(1)
     out: dict = {}
     for _ in range(repeats):
@@ -75,12 +82,16 @@ def measure_in_fresh_process(slow: dict, fast: dict) -> dict:
 def verdict(m: dict) -> None:
     """CheckFailure unless the fast run did the same work, learned as well, and took THRESHOLD x less time."""
     slow, fast = m["slow"], m["fast"]
-    said = (f"the slow script took {slow['seconds']:.2f} s for test accuracy {slow['accuracy']:.3f}; "
-            f"your settings {fast['seconds']:.2f} s for {fast['accuracy']:.3f}")
+    said = (
+        f"the slow script took {slow['seconds']:.2f} s for test accuracy {slow['accuracy']:.3f}; "
+        f"your settings {fast['seconds']:.2f} s for {fast['accuracy']:.3f}"
+    )
     if fast["samples"] < slow["samples"]:
-        raise CheckFailure(f"your settings trained on {fast['samples']:,} samples ({fast['steps']} steps), the "
-                           f"slow script on {slow['samples']:,} ({slow['steps']} steps): {said}. Faster by doing "
-                           "less is not the task; compute the same training faster")
+        raise CheckFailure(
+            f"your settings trained on {fast['samples']:,} samples ({fast['steps']} steps), the "
+            f"slow script on {slow['samples']:,} ({slow['steps']} steps): {said}. Faster by doing "
+            "less is not the task; compute the same training faster"
+        )
     if fast["accuracy"] < slow["accuracy"] - ACCURACY_DROP:
         raise CheckFailure(f"{said}: more than {ACCURACY_DROP:.0%} of accuracy lost. Keep what is learned")
     ratio = slow["seconds"] / fast["seconds"]
@@ -91,15 +102,23 @@ def verdict(m: dict) -> None:
 @register
 class SpeedUp(Check):
     name, args, points = "09.speed_up", ("speed_up",), 4
-    hint = ("Read run_script: which lines run for every image, every step or every few steps, and change "
-            "nothing that is learned? Time one change at a time with run_script (it returns seconds and "
-            "accuracy). Keep the recipe, train on every sample, and measure: not every change that sounds "
-            "fast (workers, 16-bit) is faster for a small model on a CPU.")
+    hint = (
+        "Read run_script: which lines run for every image, every step or every few steps, and change "
+        "nothing that is learned? Time one change at a time with run_script (it returns seconds and "
+        "accuracy). Keep the recipe, train on every sample, and measure: not every change that sounds "
+        "fast (workers, 16-bit) is faster for a small model on a CPU."
+    )
     time_limit = 30.0
 
     def cases(self, rng: random.Random) -> list:
-        return [{**speedup.SLOW, "seed": rng.randrange(10**6), "batch_size": rng.choice([24, 32, 40]),
-                 "lr": rng.choice([1e-3, 2e-3, 3e-3])}]
+        return [
+            {
+                **speedup.SLOW,
+                "seed": rng.randrange(10**6),
+                "batch_size": rng.choice([24, 32, 40]),
+                "lr": rng.choice([1e-3, 2e-3, 3e-3]),
+            }
+        ]
 
     def describe(self, case: dict) -> str:
         return f"speed_up(slow) with seed={case['seed']}, batch_size={case['batch_size']}, lr={case['lr']:g}"
@@ -113,6 +132,7 @@ class SpeedUp(Check):
 
 
 # --------------------------------------------------------------------------- 09.first_overflow
+
 
 def first_overflow_reference(rows: list[dict]) -> str | None:
     """The first layer whose output holds an inf or NaN, or whose largest |value| is beyond fp16's range."""
@@ -131,7 +151,7 @@ def _trace(rng: random.Random, dtype: str, kind: str) -> list[dict]:
     broken = False
     for i in range(1, n_fc + 1):
         if cross is None:
-            size = rng.uniform(0.5, 4.0) * factor ** i if kind == "late_nan" else rng.uniform(1, 8) * 1.6 ** i
+            size = rng.uniform(0.5, 4.0) * factor**i if kind == "late_nan" else rng.uniform(1, 8) * 1.6**i
             size = min(size, rng.uniform(1e3, 3e4))
         else:
             size = FP16_MAX * rng.uniform(1.05, 2.5) * factor ** (i - cross)
@@ -144,8 +164,15 @@ def _trace(rng: random.Random, dtype: str, kind: str) -> list[dict]:
             rows.append({"name": name, "kind": kind_name, "dtype": dtype, "max_abs": round(value, 3), "nonfinite": bad})
     for name, kind_name in (("norm", "LayerNorm"), ("head", "Linear")):
         bad = rng.randint(100, 4096) if broken else 0
-        rows.append({"name": name, "kind": kind_name, "dtype": dtype,
-                     "max_abs": 0.0 if broken else round(rng.uniform(1.0, 6.0), 3), "nonfinite": bad})
+        rows.append(
+            {
+                "name": name,
+                "kind": kind_name,
+                "dtype": dtype,
+                "max_abs": 0.0 if broken else round(rng.uniform(1.0, 6.0), 3),
+                "nonfinite": bad,
+            }
+        )
     if kind == "edge":  # the layer just before the crossing outputs exactly fp16's largest finite value
         j = next(k for k, r in enumerate(rows) if r["name"] == f"act{cross - 1}")
         rows[j] = {**rows[j], "max_abs": FP16_MAX}
@@ -157,16 +184,25 @@ def _trace(rng: random.Random, dtype: str, kind: str) -> list[dict]:
 @register
 class FirstOverflow(Check):
     name, args, points = "09.first_overflow", ("first_overflow",), 1
-    hint = ("Go through the rows in order and stop at the first one that is already broken: an inf/NaN in its "
-            "output, or, in a trace taken in fp32 or bf16, a finite value larger than fp16's 65504 (which fp16 "
-            "could not hold). Exactly 65504 is still finite in fp16. No such row: return None.")
+    hint = (
+        "Go through the rows in order and stop at the first one that is already broken: an inf/NaN in its "
+        "output, or, in a trace taken in fp32 or bf16, a finite value larger than fp16's 65504 (which fp16 "
+        "could not hold). Exactly 65504 is still finite in fp16. No such row: return None."
+    )
     time_limit = 10.0
 
     def cases(self, rng: random.Random) -> list:
         any_dtype = ["float16", "float32", "bfloat16"]
-        plan = [("grow", "float16"), ("grow", "float32"), ("grow", "bfloat16"), ("edge", "float16"),
-                ("edge", "float32"), ("finite", rng.choice(any_dtype)), ("late_nan", rng.choice(any_dtype)),
-                ("grow", rng.choice(any_dtype))]
+        plan = [
+            ("grow", "float16"),
+            ("grow", "float32"),
+            ("grow", "bfloat16"),
+            ("edge", "float16"),
+            ("edge", "float32"),
+            ("finite", rng.choice(any_dtype)),
+            ("late_nan", rng.choice(any_dtype)),
+            ("grow", rng.choice(any_dtype)),
+        ]
         rng.shuffle(plan)
         return [_trace(rng, dtype, kind) for kind, dtype in plan]
 
@@ -177,18 +213,24 @@ class FirstOverflow(Check):
         for rows, got in zip(cases, expect_list(results, "first_overflow's answers", len(cases))):
             want = first_overflow_reference(rows)
             if got is not None and not isinstance(got, str):
-                raise CheckFailure(f"first_overflow returned {got!r} for a {rows[0]['dtype']} trace; expected the "
-                                   f"name of one layer (a string) or None, here {want!r}")
+                raise CheckFailure(
+                    f"first_overflow returned {got!r} for a {rows[0]['dtype']} trace; expected the "
+                    f"name of one layer (a string) or None, here {want!r}"
+                )
             if got != want:
                 table = "; ".join(f"{r['name']} {r['max_abs']:g} ({r['nonfinite']} inf/NaN)" for r in rows)
-                raise CheckFailure(f"first_overflow returned {got!r} for a {rows[0]['dtype']} trace whose rows are "
-                                   f"{table}; expected {want!r}")
+                raise CheckFailure(
+                    f"first_overflow returned {got!r} for a {rows[0]['dtype']} trace whose rows are "
+                    f"{table}; expected {want!r}"
+                )
 
 
 # --------------------------------------------------------------------------- 09.mfu
 
-def mfu_reference(n_params: int, n_layer: int, n_embd: int, seq_len: int, batch: int, step_ms: float,
-                  peak_tflops: float) -> float:
+
+def mfu_reference(
+    n_params: int, n_layer: int, n_embd: int, seq_len: int, batch: int, step_ms: float, peak_tflops: float
+) -> float:
     """Model FLOPs utilisation: (6 N + 12 L E T) FLOPs per token x tokens per second / peak."""
     tokens_per_s = batch * seq_len / (step_ms / 1e3)
     return (6 * n_params + 12 * n_layer * n_embd * seq_len) * tokens_per_s / (peak_tflops * 1e12)
@@ -197,19 +239,28 @@ def mfu_reference(n_params: int, n_layer: int, n_embd: int, seq_len: int, batch:
 @register
 class Mfu(Check):
     name, args, points = "09.mfu", ("mfu",), 1
-    hint = ("FLOPs per token = 6 N (forward 2, backward 4 per parameter) + 12 L E T (attention); tokens per "
-            "second = batch x seq_len / step time in seconds; MFU = FLOPs per token x tokens per second / "
-            "(peak TFLOP/s x 1e12), as a fraction (0.33, not 33).")
+    hint = (
+        "FLOPs per token = 6 N (forward 2, backward 4 per parameter) + 12 L E T (attention); tokens per "
+        "second = batch x seq_len / step time in seconds; MFU = FLOPs per token x tokens per second / "
+        "(peak TFLOP/s x 1e12), as a fraction (0.33, not 33)."
+    )
     time_limit = 10.0
 
     def cases(self, rng: random.Random) -> list:
         out = []
         for _ in range(6):
             n_layer, n_embd = rng.randint(2, 48), 64 * rng.randint(2, 32)
-            out.append({"n_params": rng.randint(10**6, 2 * 10**9), "n_layer": n_layer, "n_embd": n_embd,
-                        "seq_len": rng.choice([128, 256, 512, 1024, 2048, 4096]), "batch": rng.randint(1, 64),
-                        "step_ms": round(rng.uniform(5.0, 5000.0), 3),
-                        "peak_tflops": rng.choice([65.0, 121.0, 312.0, 989.4, 19.5, 66.9])})
+            out.append(
+                {
+                    "n_params": rng.randint(10**6, 2 * 10**9),
+                    "n_layer": n_layer,
+                    "n_embd": n_embd,
+                    "seq_len": rng.choice([128, 256, 512, 1024, 2048, 4096]),
+                    "batch": rng.randint(1, 64),
+                    "step_ms": round(rng.uniform(5.0, 5000.0), 3),
+                    "peak_tflops": rng.choice([65.0, 121.0, 312.0, 989.4, 19.5, 66.9]),
+                }
+            )
         return out
 
     def describe(self, case: dict) -> str:
@@ -229,9 +280,15 @@ class Mfu(Check):
                 why = " (milliseconds and seconds?)"
             elif math.isclose(got, mfu_reference(**{**case, "n_layer": 0}), rel_tol=1e-6):
                 why = " (the attention term 12 L E T is missing)"
-            elif math.isclose(got, want * 6 * case["n_params"] / (6 * case["n_params"] + 12 * case["n_layer"]
-                                                                  * case["n_embd"] * case["seq_len"]) / 3,
-                              rel_tol=1e-6):
+            elif math.isclose(
+                got,
+                want
+                * 6
+                * case["n_params"]
+                / (6 * case["n_params"] + 12 * case["n_layer"] * case["n_embd"] * case["seq_len"])
+                / 3,
+                rel_tol=1e-6,
+            ):
                 why = " (2 N counts the forward pass only; training is 6 N: forward 2, backward 4)"
             raise CheckFailure(f"{self.describe(case)} returned {got:.6g}; expected {want:.6g}{why}")
 

@@ -15,6 +15,7 @@ chapter 00 and 06): the grader answers with the check's `host` method, in its ow
 Extra probe modules outside the package (an instructor's hidden checks, test fixtures) are
 files named `*chNN.py` listed in $COURSE_EXTRA_PROBES (separated by os.pathsep).
 """
+
 from __future__ import annotations
 
 import importlib

@@ -1,4 +1,5 @@
 """Kernel side of exercise 00's checks (see course_lib.tooling.probes): no answers, no durations."""
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -17,6 +18,7 @@ def median_step_ms(case: dict, median_step_ms_fn: Callable) -> dict:
 
     fn closes over nothing: the durations, the call count and the measured sleeps stay in the grader
     (`MedianStepMs.host`), so the only way to learn how long fn takes is to time it."""
+
     def fn() -> None:
         ask({"call": "fn"})
 

@@ -1,5 +1,6 @@
 """Kernel side of exercise 01's checks (see course_lib.tooling.probes). decode_fp16 and round_to_bf16
 have no probe: the learner's function is called on the bit pattern itself."""
+
 from __future__ import annotations
 
 from typing import Any, Callable

@@ -5,6 +5,7 @@ of a case step by step, with torch's own scaler kernels switched off; `clipped_s
 case's small network with the learner's step and records what each step left behind. The grader
 (course_lib/tooling/checks/ch03.py) runs `train_steps` with its own, correct step to compare.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,10 @@ def _kernels_off() -> Iterator[None]:
     saved = {name: getattr(torch, name) for name in _KERNELS}
 
     def refuse(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("GradScaler's own kernels (torch._amp_update_scale_ ...) are switched off while your "
-                           "function is checked: write the rule yourself")
+        raise RuntimeError(
+            "GradScaler's own kernels (torch._amp_update_scale_ ...) are switched off while your "
+            "function is checked: write the rule yourself"
+        )
 
     for name in _KERNELS:
         setattr(torch, name, refuse)
@@ -43,8 +46,9 @@ def update_scale(case: dict, learner: Callable) -> object:
     scale, tracker, out = case["init_scale"], case["growth_tracker"], []
     with _kernels_off():
         for found_inf in case["found_inf"]:
-            result = learner(scale, tracker, found_inf, case["growth_factor"], case["backoff_factor"],
-                             case["growth_interval"])
+            result = learner(
+                scale, tracker, found_inf, case["growth_factor"], case["backoff_factor"], case["growth_interval"]
+            )
             if not (isinstance(result, (tuple, list)) and len(result) == 2):
                 return {"bad_return": repr(result)[:80], "at": len(out)}
             scale, tracker = result
@@ -80,10 +84,14 @@ def train_steps(case: dict, step_fn: Callable) -> list[dict[str, Any]]:
         with torch.autocast("cpu", dtype=torch.float16):
             loss = F.cross_entropy(model(torch.tensor(x)), torch.tensor(y))
         norm = step_fn(model, optimizer, scaler, loss, case["max_norm"])
-        out.append({"norm": float(norm) if isinstance(norm, (int, float, torch.Tensor)) else repr(norm)[:60],
-                    "scale": scaler.get_scale(),
-                    "params": torch.cat([p.detach().flatten() for p in model.parameters()]).tolist(),
-                    "grads": [None if p.grad is None else p.grad.flatten().tolist() for p in model.parameters()]})
+        out.append(
+            {
+                "norm": float(norm) if isinstance(norm, (int, float, torch.Tensor)) else repr(norm)[:60],
+                "scale": scaler.get_scale(),
+                "params": torch.cat([p.detach().flatten() for p in model.parameters()]).tolist(),
+                "grads": [None if p.grad is None else p.grad.flatten().tolist() for p in model.parameters()],
+            }
+        )
     return out
 
 

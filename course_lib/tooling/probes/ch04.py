@@ -15,6 +15,7 @@ record what they are asked to do. What comes back, as plain data:
 The grader (course_lib/tooling/checks/ch04.py) runs `run_loop` with its own correct loop on the
 same case and compares; nothing here knows the right answer.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -35,7 +36,7 @@ def _linear(n_in: int, n_out: int, g: torch.Generator) -> nn.Linear:
     # nn.Linear's default initialisation drawn from `g` alone: the grader judges in threads, and the
     # global RNG is shared by them all (a meta layer draws nothing)
     layer = nn.Linear(n_in, n_out, device="meta").to_empty(device="cpu")
-    bound = n_in ** -0.5
+    bound = n_in**-0.5
     with torch.no_grad():
         layer.weight.uniform_(-bound, bound, generator=g)
         layer.bias.uniform_(-bound, bound, generator=g)
@@ -45,13 +46,17 @@ def _linear(n_in: int, n_out: int, g: torch.Generator) -> nn.Linear:
 def build(case: dict) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The case's model and its micro-batches, from the case's seed alone."""
     g = torch.Generator().manual_seed(case["seed"])
-    model = nn.Sequential(_linear(case["features"], case["hidden"], g), nn.Tanh(),
-                          _linear(case["hidden"], case["classes"], g))
+    model = nn.Sequential(
+        _linear(case["features"], case["hidden"], g), nn.Tanh(), _linear(case["hidden"], case["classes"], g)
+    )
     g = torch.Generator().manual_seed(case["seed"] + 1)
     n = sum(case["sizes"])
     x = torch.randn(n, case["features"], generator=g)
-    y = (torch.randint(0, case["classes"], (n,), generator=g) if case["loss"] == "cross_entropy"
-         else torch.randn(n, case["classes"], generator=g))
+    y = (
+        torch.randint(0, case["classes"], (n,), generator=g)
+        if case["loss"] == "cross_entropy"
+        else torch.randn(n, case["classes"], generator=g)
+    )
     return model, list(zip(x.split(case["sizes"]), y.split(case["sizes"])))
 
 
@@ -77,8 +82,11 @@ class _RecordingSGD(torch.optim.SGD):
         self.calls += 1
         self.autocast.append(_autocast_on())
         if self.first is None:
-            self.first = [p.grad.detach().flatten().tolist() if p.grad is not None else None
-                          for g in self.param_groups for p in g["params"]]
+            self.first = [
+                p.grad.detach().flatten().tolist() if p.grad is not None else None
+                for g in self.param_groups
+                for p in g["params"]
+            ]
         return super().step(closure)
 
 
@@ -110,18 +118,27 @@ def run_loop(case: dict, loop: Callable) -> dict[str, Any]:
     backward: list[bool] = []  # autocast at each backward pass that reaches the first layer's weight
     model[0].register_forward_hook(lambda module, args, out: dtypes.append(str(out.dtype)))
     model.register_forward_pre_hook(
-        lambda module, args: sizes.append(int(args[0].shape[0]) if args and isinstance(args[0], torch.Tensor)
-                                          and args[0].dim() else -1))
+        lambda module, args: sizes.append(
+            int(args[0].shape[0]) if args and isinstance(args[0], torch.Tensor) and args[0].dim() else -1
+        )
+    )
     # A tensor hook runs inside the backward pass and sees the autocast state of the thread that called
     # backward(): on the CPU, the caller's own thread.
     model[0].weight.register_hook(lambda grad: backward.append(_autocast_on()))
     optimizer = _RecordingSGD(model.parameters(), lr=0.1)
     scaler = _RecordingScaler("cpu", init_scale=case["init_scale"], enabled=case["precision"] == "fp16")
     loop(model, optimizer, scaler, micro, LOSSES[case["loss"]], DTYPES[case["precision"]])
-    return {"grads": optimizer.first, "steps": optimizer.calls, "updates": scaler.updates,
-            "forward_dtypes": sorted(set(dtypes)), "forward_sizes": sizes, "backward_autocast": backward,
-            "step_autocast": optimizer.autocast + scaler.autocast["step"],
-            "update_autocast": scaler.autocast["update"], "scale": scaler.get_scale()}
+    return {
+        "grads": optimizer.first,
+        "steps": optimizer.calls,
+        "updates": scaler.updates,
+        "forward_dtypes": sorted(set(dtypes)),
+        "forward_sizes": sizes,
+        "backward_autocast": backward,
+        "step_autocast": optimizer.autocast + scaler.autocast["step"],
+        "update_autocast": scaler.autocast["update"],
+        "scale": scaler.get_scale(),
+    }
 
 
 def accumulate(case: dict, learner: Callable) -> dict[str, Any]:

@@ -13,6 +13,7 @@ adds unscale_), and returns as plain data:
 The grader (course_lib/tooling/checks/ch05.py) runs a correct loop on `build(case)` and compares;
 nothing here knows the right answer.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -34,7 +35,7 @@ def _model(g: torch.Generator) -> nn.Module:
     model = meta.to_empty(device="cpu")
     with torch.no_grad():
         for layer in (model[0], model[2]):
-            bound = layer.in_features ** -0.5  # the bounds of nn.Linear's default initialisation
+            bound = layer.in_features**-0.5  # the bounds of nn.Linear's default initialisation
             layer.weight.uniform_(-bound, bound, generator=g)
             layer.bias.uniform_(-bound, bound, generator=g)
     return model
@@ -55,6 +56,7 @@ class CountingSGD(torch.optim.SGD):
 class _UnscaleAutocast(torch.amp.GradScaler):
     """A GradScaler that writes the autocast state into the Recorder's unscale_ event (the Recorder notes
     it for every other call): the Recorder's wrapper records the event, then calls this method."""
+
     recorder: Recorder | None = None
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -70,8 +72,10 @@ def build(case: dict, scaler_class: type = torch.amp.GradScaler) -> tuple:
     model0, model1 = _model(g), _model(g)
     opts = [CountingSGD(m.parameters(), lr=case["lr"], momentum=0.9) for m in (model0, model1)]
     scaler = scaler_class("cpu", init_scale=case["init_scale"], growth_interval=case["growth_interval"])
-    batches = [(torch.randn(case["batch"], 16, generator=g), torch.randn(case["batch"], 4, generator=g))
-               for _ in range(case["iterations"])]
+    batches = [
+        (torch.randn(case["batch"], 16, generator=g), torch.randn(case["batch"], 4, generator=g))
+        for _ in range(case["iterations"])
+    ]
     return model0, model1, *opts, scaler, batches
 
 
@@ -85,10 +89,18 @@ def record(case: dict, loop: Callable, dtype: torch.dtype) -> dict[str, Any]:
     with Recorder((model0, model1), (opt0, opt1), scaler, loop) as rec:
         scaler.recorder = rec
         loop(model0, model1, opt0, opt1, scaler, batches, case["max_norm"], dtype)
-    calls = [[e.kind, e.index, e.info.get("owners", e.info.get("via_scaler")), bool(e.autocast)]
-             for e in rec.events if e.kind in KINDS]
-    return {"params0": flat(model0), "params1": flat(model1), "scale": scaler.get_scale(),
-            "steps": [opt0.taken, opt1.taken], "calls": calls}
+    calls = [
+        [e.kind, e.index, e.info.get("owners", e.info.get("via_scaler")), bool(e.autocast)]
+        for e in rec.events
+        if e.kind in KINDS
+    ]
+    return {
+        "params0": flat(model0),
+        "params1": flat(model1),
+        "scale": scaler.get_scale(),
+        "steps": [opt0.taken, opt1.taken],
+        "calls": calls,
+    }
 
 
 def fix_two_models(case: dict, learner: Callable) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 time_it's `fn` and `sync` stand for a CUDA launch and torch.cuda.synchronize(): each asks the grader
 (`TimeIt.host`), which queues fn's work for a time only it knows and answers sync when that work has
 run. Nothing in this kernel holds the durations, so the helper has to time the calls to know them."""
+
 from __future__ import annotations
 
 from typing import Any, Callable

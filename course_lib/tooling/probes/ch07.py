@@ -4,6 +4,7 @@ The learner's loader_settings gets a machine's description (batch size, one core
 batch, the model's step time, the cores) and returns DataLoader settings as plain data. The grader
 validates them, checks that the worker count follows from that description, and, for the machine it
 measured itself, builds the loader and measures the data wait in its own process."""
+
 from __future__ import annotations
 
 from typing import Any, Callable

@@ -9,6 +9,7 @@ the optimizer steps that ran and the GradScaler's scale, and the samples its Dat
 In a float16 run it makes rank 0's first gradient overflow, as fp16 gradients do now and then, so
 that a GradScaler has to skip that step on every rank and back off. The grader judges all of it
 (course_lib/tooling/checks/ch08.py)."""
+
 from __future__ import annotations
 
 import inspect
@@ -46,7 +47,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 # the first group's addresses, still in the store, and could hang (it did, once in a few tries,
 # while this check was written). The originals of what is patched are kept before the learner's
 # module is imported, so that what it replaces does not change what is recorded.
-HARNESS = '''import json, os, sys, time
+HARNESS = """import json, os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 import torch.distributed as dist
@@ -179,12 +180,13 @@ except BaseException as e:
     raise
 open(os.path.join(out, f"result_rank{rank}.json"), "w").write(json.dumps(results))
 print(f"[rank {rank}] done")
-''' % {"max_forwards": MAX_FORWARDS}
+""" % {"max_forwards": MAX_FORWARDS}
 
 
 def ddp_train(case: dict, ddp_train_fn: Callable) -> list:
     """Both ranks' results, [rank][run], from one torchrun launch of the learner's ddp_train."""
     from course_lib.chapters.distributed import DDPRunError, launch
+
     try:
         source = textwrap.dedent(inspect.getsource(ddp_train_fn))
     except (OSError, TypeError) as e:

@@ -1,4 +1,5 @@
 """Kernel side of exercise 09's checks (see course_lib.tooling.probes)."""
+
 from __future__ import annotations
 
 from typing import Any, Callable
