@@ -1,4 +1,4 @@
-"""Datasets and loaders for the course, with the data's source always printed.
+"""Datasets for the course, with the data's source always printed (loaders: course_lib.loaders).
 
 Where the images come from (provenance and licence: data/README.md):
   shipped   data/fashion_mnist_20k.npz, the default: 10k train (1000/class) + the full 10k test
@@ -15,6 +15,7 @@ substitutes one dataset for another.
 Only numpy and torch are imported here: torchvision is optional (a CPU torch wheel next to a
 CUDA torchvision wheel fails at import), so it is imported lazily and only to download.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -25,13 +26,12 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sized
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Sampler, SequentialSampler, TensorDataset
+from torch.utils.data import TensorDataset
 
-__all__ = ["DATA_DIR", "DatasetUnavailable", "DatasetBundle", "load_dataset", "make_loader"]
+__all__ = ["DATA_DIR", "DatasetUnavailable", "DatasetBundle", "load_dataset"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR: Path = Path(os.environ.get("COURSE_DATA_DIR") or REPO_ROOT / "data")
@@ -42,16 +42,27 @@ SHIPPED_FILE = "fashion_mnist_20k.npz"
 # pointer gives a clear message instead of a strange accuracy.
 SHIPPED_ARRAY_SHA256 = "8456a991df7dd56bd38a39b858d21362ba959ea268b385aac262d59327f587fc"
 SHIPPED_LAYOUT = {  # key -> (shape, dtype)
-    "x_train": ((10000, 28, 28), np.uint8), "y_train": ((10000,), np.uint8),
+    "x_train": ((10000, 28, 28), np.uint8),
+    "y_train": ((10000,), np.uint8),
     "train_index": ((10000,), np.int32),
-    "x_test": ((10000, 28, 28), np.uint8), "y_test": ((10000,), np.uint8),
+    "x_test": ((10000, 28, 28), np.uint8),
+    "y_test": ((10000,), np.uint8),
     "classes": ((10,), np.dtype("<U11")),
 }
 DATASETS = ("fashion_mnist", "cifar10", "synthetic")
-FASHION_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
-                   "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
-CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer",
-                   "dog", "frog", "horse", "ship", "truck"]
+FASHION_CLASSES = [
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+]
+CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 # Per-channel statistics of the full training splits. Every Fashion-MNIST source uses the same
 # numbers, so a model trained on the subset sees the same input scale as one on the full set.
 FASHION_MEAN, FASHION_STD = (0.2860,), (0.3530,)
@@ -66,14 +77,15 @@ class DatasetUnavailable(RuntimeError):
 @dataclass
 class DatasetBundle:
     """Chapter 00: what load_dataset returns: the two splits plus where they came from."""
-    name: str          # "fashion_mnist" | "cifar10" | "synthetic": the data actually inside
-    source: str        # "shipped" | "debian" | "torchvision-download" | "synthetic"
+
+    name: str  # "fashion_mnist" | "cifar10" | "synthetic": the data actually inside
+    source: str  # "shipped" | "debian" | "torchvision-download" | "synthetic"
     train: TensorDataset  # float32 images (N, C, H, W), normalised with mean/std; int64 labels
     test: TensorDataset
     classes: list[str]
     mean: tuple[float, ...]
     std: tuple[float, ...]
-    description: str   # one line: what, how many, from where
+    description: str  # one line: what, how many, from where
 
     @property
     def num_classes(self) -> int:
@@ -106,6 +118,7 @@ def default_cache_dir() -> Path:
 # ----------------------------------------------------------------------------- raw sources
 # Each returns numpy uint8 images (N, H, W) or (N, C, H, W) and integer labels, or None/raises.
 
+
 def _array_sha256(arrays: dict[str, np.ndarray]) -> str:
     h = hashlib.sha256()
     for key in sorted(arrays):
@@ -127,25 +140,30 @@ def _display(path: Path) -> str:
 
 
 def _load_shipped(path: Path) -> dict[str, np.ndarray]:
-    fix = (f"Rebuild it with `python data/build_subset.py` (needs `apt-get install "
-           f"dataset-fashion-mnist`) or restore it with `git checkout -- data/{SHIPPED_FILE}` "
-           f"(or re-clone the course).")
+    fix = (
+        f"Rebuild it with `python data/build_subset.py` (needs `apt-get install "
+        f"dataset-fashion-mnist`) or restore it with `git checkout -- data/{SHIPPED_FILE}` "
+        f"(or re-clone the course)."
+    )
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
     except Exception as e:  # BadZipFile, zlib.error, ValueError (not a zip), EOFError, ...
-        raise RuntimeError(f"The shipped dataset {path} is unreadable "
-                           f"({type(e).__name__}: {e}). {fix}") from e
+        raise RuntimeError(f"The shipped dataset {path} is unreadable ({type(e).__name__}: {e}). {fix}") from e
     if set(arrays) != set(SHIPPED_LAYOUT):
-        raise RuntimeError(f"The shipped dataset {path} has keys {sorted(arrays)}, expected "
-                           f"{sorted(SHIPPED_LAYOUT)}. {fix}")
+        raise RuntimeError(
+            f"The shipped dataset {path} has keys {sorted(arrays)}, expected {sorted(SHIPPED_LAYOUT)}. {fix}"
+        )
     for key, (shape, dtype) in SHIPPED_LAYOUT.items():
         if arrays[key].shape != shape or arrays[key].dtype != dtype:
-            raise RuntimeError(f"The shipped dataset {path}: {key} is {arrays[key].shape} "
-                               f"{arrays[key].dtype}, expected {shape} {np.dtype(dtype)}. {fix}")
+            raise RuntimeError(
+                f"The shipped dataset {path}: {key} is {arrays[key].shape} "
+                f"{arrays[key].dtype}, expected {shape} {np.dtype(dtype)}. {fix}"
+            )
     if _array_sha256(arrays) != SHIPPED_ARRAY_SHA256:
-        raise RuntimeError(f"The shipped dataset {path} has the right layout but different "
-                           f"contents (array sha256 mismatch). {fix}")
+        raise RuntimeError(
+            f"The shipped dataset {path} has the right layout but different contents (array sha256 mismatch). {fix}"
+        )
     return arrays
 
 
@@ -161,8 +179,7 @@ def _read_idx(path: Path) -> np.ndarray:
 
 
 def _debian_files(folder: Path) -> list[Path] | None:
-    names = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-             "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+    names = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
     for suffix in (".gz", ""):
         files = [folder / (n + suffix) for n in names]
         if all(f.is_file() for f in files):
@@ -199,6 +216,7 @@ def _torchvision_arrays(name: str, root: Path, download: bool, say) -> tuple | N
         if x.ndim == 4:  # CIFAR stores (N, H, W, C)
             x = x.transpose(0, 3, 1, 2)
         return np.ascontiguousarray(x), np.asarray(ds.targets)
+
     return (*arrays(train), *arrays(test))
 
 
@@ -209,6 +227,7 @@ def _torchvision_cached(name: str, root: Path) -> bool:
 
 # ----------------------------------------------------------------------------- assembly
 
+
 def _balanced_prefix(y: np.ndarray, n: int | None, num_classes: int) -> np.ndarray:
     """Indices of the first n//k images of every class (remainder to the lowest classes), in order.
 
@@ -216,8 +235,7 @@ def _balanced_prefix(y: np.ndarray, n: int | None, num_classes: int) -> np.ndarr
     """
     if n is None or n >= len(y):
         return np.arange(len(y))
-    picks = [np.flatnonzero(y == c)[: n // num_classes + (c < n % num_classes)]
-             for c in range(num_classes)]
+    picks = [np.flatnonzero(y == c)[: n // num_classes + (c < n % num_classes)] for c in range(num_classes)]
     return np.sort(np.concatenate(picks))
 
 
@@ -236,16 +254,23 @@ def _to_dataset(x: np.ndarray, y: np.ndarray, mean, std) -> TensorDataset:
 def _synthetic(train_size: int | None, test_size: int | None) -> tuple:
     g = torch.Generator().manual_seed(0)
     n_train, n_test = train_size or 10_000, test_size or 2_000
+
     def split(n):
-        return TensorDataset(torch.randn(n, 3, 32, 32, generator=g),
-                             torch.randint(0, 10, (n,), generator=g))
+        return TensorDataset(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g))
+
     return split(n_train), split(n_test)
 
 
-def load_dataset(name: str = "fashion_mnist", *, full: bool = False,
-                 allow_download: bool | None = None, root: str | Path | None = None,
-                 train_size: int | None = None, test_size: int | None = None,
-                 verbose: bool = True) -> DatasetBundle:
+def load_dataset(
+    name: str = "fashion_mnist",
+    *,
+    full: bool = False,
+    allow_download: bool | None = None,
+    root: str | Path | None = None,
+    train_size: int | None = None,
+    test_size: int | None = None,
+    verbose: bool = True,
+) -> DatasetBundle:
     """Chapter 00: load a dataset as normalised float32 tensors, printing where it came from.
 
     name: "fashion_mnist" (default: the shipped 10k/10k subset), "cifar10" (download only:
@@ -274,10 +299,17 @@ def load_dataset(name: str = "fashion_mnist", *, full: bool = False,
 
     if key == "synthetic":
         train, test = _synthetic(train_size, test_size)
-        bundle = DatasetBundle("synthetic", "synthetic", train, test,
-                               [f"class {i}" for i in range(10)], (0.0,) * 3, (1.0,) * 3,
-                               f"synthetic random images, 3x32x32 ({len(train):,} train / "
-                               f"{len(test):,} test), labels random: for throughput, not accuracy")
+        bundle = DatasetBundle(
+            "synthetic",
+            "synthetic",
+            train,
+            test,
+            [f"class {i}" for i in range(10)],
+            (0.0,) * 3,
+            (1.0,) * 3,
+            f"synthetic random images, 3x32x32 ({len(train):,} train / "
+            f"{len(test):,} test), labels random: for throughput, not accuracy",
+        )
         if verbose:
             print(textwrap.fill(f"data: {bundle.description}", 100, subsequent_indent="      "))
         return bundle
@@ -293,7 +325,8 @@ def load_dataset(name: str = "fashion_mnist", *, full: bool = False,
             raise DatasetUnavailable(
                 f"CIFAR-10 is not shipped with the course (its licence is unknown) and is not in "
                 f"{root}; downloads are {offline}. Online, load_dataset('cifar10', allow_download=True) "
-                f"fetches it (170 MB); offline, use load_dataset('fashion_mnist') or 'synthetic'.")
+                f"fetches it (170 MB); offline, use load_dataset('fashion_mnist') or 'synthetic'."
+            )
     elif full:
         if (files := _debian_files(DEBIAN_DIR)) is not None:
             raw, source, origin = tuple(_read_idx(f) for f in files), "debian", debian_origin
@@ -305,7 +338,8 @@ def load_dataset(name: str = "fashion_mnist", *, full: bool = False,
                 f"the full Fashion-MNIST (60k/10k) is not here: {DEBIAN_DIR} is not installed and "
                 f"downloads are {offline}. Install it with `sudo apt-get install dataset-fashion-mnist`, "
                 f"go online with load_dataset(full=True, allow_download=True), or use the shipped "
-                f"subset: load_dataset() without full=True.")
+                f"subset: load_dataset() without full=True."
+            )
     else:
         path = _shipped_path()
         if path.is_file():  # present but broken -> _load_shipped raises: never mask a bad file
@@ -316,7 +350,8 @@ def load_dataset(name: str = "fashion_mnist", *, full: bool = False,
             raise DatasetUnavailable(
                 f"the shipped Fashion-MNIST subset {path} is missing. Restore it with "
                 f"`git checkout -- data/{SHIPPED_FILE}` (or re-clone the course), or rebuild it with "
-                f"`python data/build_subset.py` (needs `apt-get install dataset-fashion-mnist`).")
+                f"`python data/build_subset.py` (needs `apt-get install dataset-fashion-mnist`)."
+            )
 
     x_train, y_train, x_test, y_test = raw
     is_cifar = key == "cifar10"
@@ -331,69 +366,11 @@ def load_dataset(name: str = "fashion_mnist", *, full: bool = False,
     test = _to_dataset(x_test[ie], y_test[ie], mean, std)
     kind = "shipped subset" if source == "shipped" else "full set"
     prefix = ", class-balanced prefix" if train_size is not None or test_size is not None else ""
-    description = (f"{'CIFAR-10' if is_cifar else 'Fashion-MNIST'}, {kind} ({len(train):,} train / "
-                   f"{len(test):,} test{prefix}) {origin}")
+    description = (
+        f"{'CIFAR-10' if is_cifar else 'Fashion-MNIST'}, {kind} ({len(train):,} train / "
+        f"{len(test):,} test{prefix}) {origin}"
+    )
     bundle = DatasetBundle(key, source, train, test, list(classes), tuple(mean), tuple(std), description)
     if verbose:
         print(textwrap.fill(f"data: {bundle.description}", 100, subsequent_indent="      "))
     return bundle
-
-
-# ----------------------------------------------------------------------------- loaders
-
-class SeededSampler(Sampler[int]):
-    """A shuffling sampler whose order is a pure function of (seed + epoch).
-
-    Like DistributedSampler: set_epoch(e) selects epoch e's order, so a run resumed at epoch e
-    sees exactly the batches the uninterrupted run would have seen. Unlike it, forgetting
-    set_epoch does not repeat one order forever: each iteration advances to the next epoch.
-    """
-
-    def __init__(self, data_source: Sized | int, seed: int = 0) -> None:
-        self.n = data_source if isinstance(data_source, int) else len(data_source)
-        self.seed, self.epoch = seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __iter__(self) -> Iterator[int]:
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.n, generator=g).tolist()
-        self.epoch += 1
-        return iter(order)
-
-
-def make_loader(dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
-                num_workers: int = 0, pin_memory: bool = False, persistent_workers: bool = False,
-                prefetch_factor: int | None = None, drop_last: bool = False) -> DataLoader:
-    """Chapter 00: a DataLoader with a reproducible order; chapter 07 turns its knobs.
-
-    These are DataLoader arguments, not Dataset arguments (a popular article passed them to a
-    Dataset). persistent_workers and prefetch_factor need num_workers > 0; DataLoader itself
-    says so if they are misused.
-    """
-    sampler = SeededSampler(dataset, seed) if shuffle else SequentialSampler(dataset)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, persistent_workers=persistent_workers,
-                      prefetch_factor=prefetch_factor, drop_last=drop_last,
-                      # seeds the workers' RNGs, so random transforms in workers are repeatable too
-                      generator=torch.Generator().manual_seed(seed))
-
-
-def synthetic_batches(n_batches: int, batch_size: int, shape=(3, 32, 32), num_classes: int = 10,
-                      device="cpu", dtype=torch.float32,
-                      seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Random (x, y) batches made directly on `device`, for throughput measurements.
-
-    No PIL and no host-to-device copies (torchvision's FakeData tops out near 1.5k img/s on a
-    CPU), so the numbers measure the model, not the input pipeline. Cycle a few batches for long
-    runs: each batch costs memory (3x224x224 fp32 x 256 is ~150 MB).
-    """
-    device = torch.device(device)
-    g = torch.Generator(device=device).manual_seed(seed)
-    return [(torch.randn(batch_size, *shape, generator=g, device=device, dtype=dtype),
-             torch.randint(0, num_classes, (batch_size,), generator=g, device=device))
-            for _ in range(n_batches)]

@@ -11,13 +11,10 @@ emulated and slower than fp32.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import platform
-import re
 import textwrap
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -31,9 +28,6 @@ __all__ = [
     "recommend_precision",
     "hardware_report",
     "gpu_cell",
-    "tf32",
-    "peak_tflops",
-    "PEAK_TFLOPS",
 ]
 
 # Tensor Core generations by compute capability (major, minor). Before Volta there are none.
@@ -48,44 +42,6 @@ _TENSOR_CORES = [
 # The CPU instruction sets that compute in bf16 natively. avx512_fp16 and amx_fp16 are fp16
 # instructions: they say nothing about bf16.
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
-
-# Dense peak TFLOP/s from the vendors' datasheets (sparse figures halved); None = no Tensor
-# Core path for that dtype on that GPU. Sources (public):
-#   V100  https://images.nvidia.com/content/technologies/volta/pdf/volta-v100-datasheet-update-us-1165301-r5.pdf
-#   T4    https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/tesla-t4/t4-tensor-core-datasheet-951643.pdf
-#   A10   https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a10/pdf/a10-datasheet.pdf
-#   L4    https://resources.nvidia.com/en-us-data-center-overview/l4-gpu-datasheet
-#   A100  https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf
-#   H100/H200  https://www.nvidia.com/en-us/data-center/h100/ and https://www.nvidia.com/en-us/data-center/h200/
-PEAK_TFLOPS: dict[str, dict[str, float | None]] = {
-    "V100 SXM2": {"fp32": 15.7, "tf32": None, "fp16": 125.0, "bf16": None},
-    "V100 PCIe": {"fp32": 14.0, "tf32": None, "fp16": 112.0, "bf16": None},
-    "T4": {"fp32": 8.1, "tf32": None, "fp16": 65.0, "bf16": None},
-    "A10": {"fp32": 31.2, "tf32": 62.5, "fp16": 125.0, "bf16": 125.0},
-    "L4": {"fp32": 30.3, "tf32": 60.0, "fp16": 121.0, "bf16": 121.0},
-    "A100": {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0},
-    "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "fp16": 756.0, "bf16": 756.0},
-    "H100 SXM": {"fp32": 66.9, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
-    "H200": {"fp32": 66.9, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
-    # The NVL (PCIe, lower power) cards of both: 60 fp32, 835 tf32 and 1,671 bf16/fp16 sparse.
-    "H100 NVL": {"fp32": 60.0, "tf32": 417.5, "fp16": 835.5, "bf16": 835.5},
-    "H200 NVL": {"fp32": 60.0, "tf32": 417.5, "fp16": 835.5, "bf16": 835.5},
-}
-# How torch.cuda.get_device_name() spells them. Order matters: the first match wins, and a
-# name we do not recognise (A10G, RTX cards ...) gets None, never a guess.
-_GPU_PATTERNS = [
-    ("H200 NVL", r"H200.*NVL"),
-    ("H200", r"H200"),
-    ("H100 NVL", r"H100.*NVL"),
-    ("H100 PCIe", r"H100.*PCIe"),
-    ("H100 SXM", r"H100.*(HBM3|SXM)"),
-    ("A100", r"A100"),
-    ("A10", r"\bA10$"),
-    ("L4", r"\bL4$"),
-    ("T4", r"\bT4$"),
-    ("V100 SXM2", r"V100.*SXM2"),
-    ("V100 PCIe", r"V100.*PCIE"),
-]
 
 
 class PrecisionError(ValueError):
@@ -277,35 +233,6 @@ def gpu_cell(what: str, instead: str = "the next cell shows the result recorded 
         raise RuntimeError(f"GPU tier (COURSE_GPU_TIER=1) but no CUDA GPU here; cannot run: {what}")
     print(f"[needs a CUDA GPU, none here] {what}; {instead}.")
     return False
-
-
-# --------------------------------------------------------------------------- peaks and TF32
-
-
-def peak_tflops(name: str, dtype: str) -> float | None:
-    """Chapter 01: datasheet dense peak of GPU `name` for 'fp32', 'tf32', 'fp16' or 'bf16'.
-
-    None means no Tensor Core path for that dtype on that GPU, or a GPU not in the table.
-    """
-    key = next((k for k, pattern in _GPU_PATTERNS if re.search(pattern, name, flags=re.I)), None)
-    return PEAK_TFLOPS[key].get(dtype) if key else None
-
-
-@contextlib.contextmanager
-def tf32(enabled: bool) -> Iterator[None]:
-    """Chapter 01: allow (or forbid) TF32 in fp32 matmuls and cuDNN convolutions, then restore.
-
-    PyTorch's defaults differ: fp32 matmuls do NOT use TF32 ('highest'), cuDNN convolutions DO.
-    "Strict FP32" therefore needs both switched off.
-    """
-    old = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    torch.set_float32_matmul_precision("high" if enabled else "highest")
-    torch.backends.cudnn.allow_tf32 = enabled
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(old[0])
-        torch.backends.cudnn.allow_tf32 = old[1]
 
 
 if __name__ == "__main__":

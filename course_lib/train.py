@@ -254,7 +254,7 @@ class Trainer:
         """Chapter 00: train for cfg.epochs (or cfg.max_steps) and return the History.
 
         Resumable: after load_checkpoint() it continues at the exact micro-batch it stopped,
-        because the sampler's order depends only on (seed, epoch) (see data.SeededSampler).
+        because the sampler's order depends only on (seed, epoch) (see loaders.SeededSampler).
         A last partial accumulation group of an epoch is dropped, like drop_last.
         """
         cfg, accum = self.cfg, max(1, self.cfg.accum_steps)

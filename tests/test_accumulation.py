@@ -1,4 +1,5 @@
-"""course_lib.chapters.accumulation: the loop is the large batch, and the demonstrations show what chapter 04 says."""
+"""course_lib.chapters.accumulation and accumulation_pitfalls: the loop is the large batch; the demonstrations
+show what chapter 04 says."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course_lib.chapters import accumulation as A
+from course_lib.chapters import accumulation_pitfalls as P
 
 
 def mlp(seed: int = 0) -> nn.Module:
@@ -71,8 +73,8 @@ def test_equivalence_rows_are_within_a_few_eps_in_every_precision():
 
 
 def test_scale_trajectories_show_what_update_per_micro_batch_does():
-    right, every, step_every = (A.scale_trajectory(v, steps=6, accum=4, bad=(5,), init_scale=2.0 ** 10,
-                                                   growth_interval=2) for v in A.LOOP_VARIANTS)
+    right, every, step_every = (P.scale_trajectory(v, steps=6, accum=4, bad=(5,), init_scale=2.0 ** 10,
+                                                   growth_interval=2) for v in P.LOOP_VARIANTS)
 
     def halvings(r):
         before = [2.0 ** 10] + r["scale"][:-1]
@@ -85,11 +87,11 @@ def test_scale_trajectories_show_what_update_per_micro_batch_does():
     assert len(step_every["stepped"]) + len(step_every["skipped"]) == 24
     assert max(every["scale"]) > max(right["scale"])  # growth counted per micro-batch
     with pytest.raises(ValueError):
-        A.scale_trajectory("update whenever")
+        P.scale_trajectory("update whenever")
 
 
 def test_only_the_right_loop_hands_the_optimizer_the_large_batch_gradient():
-    errors = {v: A.scale_trajectory(v, steps=1, bad=(), lr=0.0)["errors"] for v in A.LOOP_VARIANTS}
+    errors = {v: P.scale_trajectory(v, steps=1, bad=(), lr=0.0)["errors"] for v in P.LOOP_VARIANTS}
     right, every, step_every = errors.values()
     assert len(right) == 1 and right[0] < 4 * torch.finfo(torch.float16).eps
     assert len(every) == 1 and every[0] > 0.3
@@ -97,7 +99,7 @@ def test_only_the_right_loop_hands_the_optimizer_the_large_batch_gradient():
 
 
 def test_batchnorm_is_not_equivalent_but_per_sample_norms_are():
-    rows = A.norm_rows(batch=32, micro_sizes=(16, 4))
+    rows = P.norm_rows(batch=32, micro_sizes=(16, 4))
     for r in rows:
         if r["norm"] == "BatchNorm":
             assert r["grad"] > 0.05 and r["running_mean"] > 0.1
@@ -105,11 +107,11 @@ def test_batchnorm_is_not_equivalent_but_per_sample_norms_are():
             assert r["grad"] < 1e-6 and r["running_mean"] is None
     bn = [r["grad"] for r in rows if r["norm"] == "BatchNorm"]
     assert bn[0] < bn[1]  # smaller micro-batches, larger gap
-    assert "GroupNorm" in A.format_norm_rows(rows)
+    assert "GroupNorm" in P.format_norm_rows(rows)
 
 
 def test_ddp_all_reduces_where_the_forward_said_so():
-    calls = {p: A.allreduce_calls(p, accum=4) for p in A.SYNC_PATTERNS}
+    calls = {p: P.allreduce_calls(p, accum=4) for p in P.SYNC_PATTERNS}
     assert calls == {"no no_sync": [0, 1, 2, 3], "no_sync around forward and backward": [3],
                      "no_sync around backward only": [0, 1, 2, 3], "flag set between forward and backward": [0],
                      "course_lib.train.Trainer.train_step": [3]}
@@ -124,7 +126,7 @@ def test_accumulation_step_under_ddp_all_reduces_once():
         hits.append(1)
         return allreduce_hook(None, bucket)
 
-    with A._one_process_group():
+    with P._one_process_group():
         ddp = nn.parallel.DistributedDataParallel(mlp())
         ddp.register_comm_hook(None, hook)
         A.accumulation_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), torch.amp.GradScaler("cpu", enabled=False),
@@ -133,12 +135,12 @@ def test_accumulation_step_under_ddp_all_reduces_once():
 
 
 def test_article_001_loop_leaks_the_epoch_tail_into_the_next_step():
-    log = A.article_001_loop([16] * 9 + [5], epochs=2, iters_to_accumulate=4, gradient_accumulation_steps=4)
+    log = P.article_001_loop([16] * 9 + [5], epochs=2, iters_to_accumulate=4, gradient_accumulation_steps=4)
     assert [len(s["batches"]) for s in log] == [4, 4, 6, 4, 2]
     assert log[2]["batches"][:2] == [(0, 8), (0, 9)] and log[2]["max_weight"] == pytest.approx(85 / 20)
     assert log[-1]["stepped"] is False and all(s["stepped"] for s in log[:-1])
     assert log[0]["min_weight"] == log[0]["max_weight"] == 1.0
-    mismatched = A.article_001_loop([16] * 8, epochs=1, iters_to_accumulate=1, gradient_accumulation_steps=4)
+    mismatched = P.article_001_loop([16] * 8, epochs=1, iters_to_accumulate=1, gradient_accumulation_steps=4)
     assert [s["min_weight"] for s in mismatched] == [4.0, 4.0]
 
 

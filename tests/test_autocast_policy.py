@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from course_lib.chapters import autocast_dispatch as disp
 from course_lib.chapters import autocast_dtypes as ad
 from course_lib.chapters import autocast_policy as ap
 from course_lib.models import SimpleCNN
@@ -92,8 +93,8 @@ def test_promote_is_told_apart_from_ordinary_type_promotion():
     assert rows["cat"].from_mixed == rows["add"].from_mixed == torch.float32
     a, b = torch.randn(4, 4).bfloat16(), torch.randn(4, 4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert ap.casts(ap.dispatch_trace(lambda: torch.cat([a, b])))[("bf16", "fp32")] == 1
-        assert not ap.casts(ap.dispatch_trace(lambda: a + b))
+        assert disp.casts(disp.dispatch_trace(lambda: torch.cat([a, b])))[("bf16", "fp32")] == 1
+        assert not disp.casts(disp.dispatch_trace(lambda: a + b))
 
 
 def test_cpu_fp16_shares_the_bf16_lists():
@@ -211,7 +212,7 @@ def test_weight_cast_cache_casts_each_parameter_once_per_region():
     counts = {}
     for cache in (True, False):
         with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
-            counts[cache] = ap.casts(ap.dispatch_trace(lambda: layer(layer(layer(x)))))[("fp32", "bf16")]
+            counts[cache] = disp.casts(disp.dispatch_trace(lambda: layer(layer(layer(x)))))[("fp32", "bf16")]
     assert counts[True] == 3 and counts[False] == 7  # x, weight, bias once / x + 3 x (weight, bias)
 
 
@@ -237,12 +238,12 @@ def test_backward_ops_run_in_the_dtype_of_their_forward_ops():
     torch.manual_seed(0)
     layer, x = nn.Linear(16, 4), torch.randn(8, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        fwd = ap.dispatch_trace(lambda: F.mse_loss(F.softmax(layer(x), dim=-1), torch.zeros(8, 4)))
+        fwd = disp.dispatch_trace(lambda: F.mse_loss(F.softmax(layer(x), dim=-1), torch.zeros(8, 4)))
         loss = F.mse_loss(F.softmax(layer(x), dim=-1), torch.zeros(8, 4))
-    bwd = ap.dispatch_trace(loss.backward)
-    pairs = {f.op: (f.out_dtype, b.out_dtype) for f, b in ap.backward_pairs(fwd, bwd)}
+    bwd = disp.dispatch_trace(loss.backward)
+    pairs = {f.op: (f.out_dtype, b.out_dtype) for f, b in disp.backward_pairs(fwd, bwd)}
     assert pairs == {"mse_loss": (torch.float32,) * 2, "_softmax": (torch.bfloat16,) * 2}
-    assert ap.casts(bwd)[("bf16", "fp32")] == 2  # the weight's and the bias's gradients come back as fp32
+    assert disp.casts(bwd)[("bf16", "fp32")] == 2  # the weight's and the bias's gradients come back as fp32
 
 
 def test_backward_under_autocast_casts_an_fp32_island_down():
@@ -252,15 +253,15 @@ def test_backward_under_autocast_casts_an_fp32_island_down():
         with torch.autocast("cpu", dtype=torch.bfloat16), torch.autocast("cpu", enabled=False):
             return lin(x).sum()
 
-    outside = ap.dispatch_trace(loss().backward)
+    outside = disp.dispatch_trace(loss().backward)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        inside = ap.dispatch_trace(loss().backward)
+        inside = disp.dispatch_trace(loss().backward)
     assert {e.out_dtype for e in outside if e.op == "mm"} == {torch.float32}
     assert {e.out_dtype for e in inside if e.op == "mm"} == {torch.bfloat16}
 
 
 def test_registered_ops_lists_the_dispatcher_registrations():
-    cpu = ap.registered_ops("cpu")
+    cpu = disp.registered_ops("cpu")
     assert "mm" in cpu and "mse_loss" in cpu and "relu" not in cpu
 
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from course_lib.chapters import format_limits as FL
 from course_lib.chapters import formats as F
 from course_lib.chapters.autocast_dtypes import module_dtypes
 from course_lib.tooling.grading import checks_for, run_check
@@ -135,7 +136,7 @@ def round_to_bf16(bits):
 
 
 def fp_fate(x, fmt):
-    return F.fate(x, fmt)
+    return FL.fate(x, fmt)
 
 
 def bf16_dot_errors(x, y):
@@ -174,11 +175,11 @@ WRONG_CH01 = {
         "NaN unaware": lambda b: ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF,
     },
     "01.fp_fate": {
-        "overflow above max": lambda x, f: "overflow" if abs(x) > F.get_format(f).max else F.fate(x, f),
-        "no subnormals": lambda x, f: "underflow" if F.fate(x, f) == "subnormal" else F.fate(x, f),
+        "overflow above max": lambda x, f: "overflow" if abs(x) > F.get_format(f).max else FL.fate(x, f),
+        "no subnormals": lambda x, f: "underflow" if FL.fate(x, f) == "subnormal" else FL.fate(x, f),
         "underflow below smallest subnormal": lambda x, f: "underflow" if abs(x) < F.get_format(f).smallest_subnormal
-        else F.fate(x, f),
-        "bf16 treated as fp16": lambda x, f: F.fate(x, "fp16"),
+        else FL.fate(x, f),
+        "bf16 treated as fp16": lambda x, f: FL.fate(x, "fp16"),
     },
     "01.bf16_dot_errors": {
         "inputs not rounded": lambda x, y: ((abs(torch.dot(x, y).double() - torch.dot(x.double(), y.double()))

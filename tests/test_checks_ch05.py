@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course_lib.chapters import multi
+from course_lib.chapters import article_two_models, multi
 from course_lib.tooling.grading import checks_for, run_check
 
 NAME = "05.fix_two_models"
@@ -143,8 +143,8 @@ def test_calling_the_chapters_loop_is_refused():
 def train_two_models(model0, model1, opt0, opt1, scaler, batches, max_norm, dtype):
     mode = multi.AmpMode("cpu", dtype, True, "")
     for x, y in batches:
-        multi.two_model_step(model0, model1, opt0, opt1, scaler, x, y, mode, max_norm)
-''', multi=multi)
+        article_two_models.two_model_step(model0, model1, opt0, opt1, scaler, x, y, mode, max_norm)
+''', multi=multi, article_two_models=article_two_models)
     status, message = verdict(shortcut)
     assert status == "failed" and "course_lib.chapters.multi" in message
 

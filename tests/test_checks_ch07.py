@@ -147,7 +147,7 @@ def test_the_cases_are_plain_numbers_for_this_machine_and_described_ones():
     measured = [c for c in cases if c["measured"]]
     described = [c for c in cases if not c["measured"]]
     assert len(measured) == 2 and len({c["batch_size"] for c in measured}) == 2
-    assert len(described) == len(ch07.DESCRIBED) and {c["cpus"] for c in measured} == {ch07.loading.cpus()}
+    assert len(described) == len(ch07.DESCRIBED) and {c["cpus"] for c in measured} == {ch07.data_wait.cpus()}
     for case in cases:
         assert set(case) == {"batch_size", "load_ms", "step_ms", "cpus", "measured"}
         assert check.public(case) == {k: case[k] for k in ("batch_size", "load_ms", "step_ms", "cpus")}

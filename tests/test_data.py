@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch.utils.data import SequentialSampler, TensorDataset
 
-from course_lib import data
+from course_lib import data, loaders
+from course_lib.chapters import bench
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "data" / "fashion_mnist_20k.npz"
@@ -259,7 +260,7 @@ def test_train_size_takes_a_balanced_deterministic_prefix():
 # ----------------------------------------------------------------------------- loaders
 
 def test_seeded_sampler_same_seed_and_epoch_same_order():
-    a, b = data.SeededSampler(100, seed=3), data.SeededSampler(100, seed=3)
+    a, b = loaders.SeededSampler(100, seed=3), loaders.SeededSampler(100, seed=3)
     a.set_epoch(5)
     b.set_epoch(5)
     order = list(a)
@@ -267,19 +268,19 @@ def test_seeded_sampler_same_seed_and_epoch_same_order():
 
 
 def test_seeded_sampler_different_epoch_or_seed_different_order():
-    s = data.SeededSampler(100, seed=0)
+    s = loaders.SeededSampler(100, seed=0)
     s.set_epoch(0)
     e0 = list(s)
     s.set_epoch(1)
     e1 = list(s)
     assert e0 != e1
-    assert list(data.SeededSampler(100, seed=1)) != e0
+    assert list(loaders.SeededSampler(100, seed=1)) != e0
 
 
 def test_seeded_sampler_resume_reproduces_any_epoch():
-    run = data.SeededSampler(50, seed=7)
+    run = loaders.SeededSampler(50, seed=7)
     epochs = [list(run) for _ in range(3)]  # iterating advances the epoch by itself
-    resumed = data.SeededSampler(50, seed=7)
+    resumed = loaders.SeededSampler(50, seed=7)
     resumed.set_epoch(2)
     assert list(resumed) == epochs[2]
     assert len(set(map(tuple, epochs))) == 3
@@ -287,21 +288,21 @@ def test_seeded_sampler_resume_reproduces_any_epoch():
 
 def test_make_loader_passes_the_knobs_through():
     ds = TensorDataset(torch.arange(10.0), torch.arange(10))
-    dl = data.make_loader(ds, 4, num_workers=2, pin_memory=True, persistent_workers=True,
+    dl = loaders.make_loader(ds, 4, num_workers=2, pin_memory=True, persistent_workers=True,
                           prefetch_factor=3, drop_last=True, seed=1)
     assert (dl.batch_size, dl.num_workers, dl.pin_memory, dl.persistent_workers,
             dl.prefetch_factor, dl.drop_last) == (4, 2, True, True, 3, True)
-    assert isinstance(dl.sampler, data.SeededSampler) and dl.sampler.seed == 1
+    assert isinstance(dl.sampler, loaders.SeededSampler) and dl.sampler.seed == 1
     assert len(dl) == 2  # drop_last
-    plain = data.make_loader(ds, 4, shuffle=False)
+    plain = loaders.make_loader(ds, 4, shuffle=False)
     assert isinstance(plain.sampler, SequentialSampler)
     assert next(iter(plain))[1].tolist() == [0, 1, 2, 3]
 
 
 def test_make_loader_order_is_reproducible():
     ds = TensorDataset(torch.arange(64))
-    first = [b[0].tolist() for b in data.make_loader(ds, 16, seed=3)]
-    again = [b[0].tolist() for b in data.make_loader(ds, 16, seed=3)]
+    first = [b[0].tolist() for b in loaders.make_loader(ds, 16, seed=3)]
+    again = [b[0].tolist() for b in loaders.make_loader(ds, 16, seed=3)]
     assert first == again and first[0] != list(range(16))
 
 
@@ -311,8 +312,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_synthetic_batches_deterministic_on_requested_device_and_dtype(device, dtype):
-    a = data.synthetic_batches(3, 8, shape=(3, 16, 16), num_classes=5, device=device, dtype=dtype)
-    b = data.synthetic_batches(3, 8, shape=(3, 16, 16), num_classes=5, device=device, dtype=dtype)
+    a = bench.synthetic_batches(3, 8, shape=(3, 16, 16), num_classes=5, device=device, dtype=dtype)
+    b = bench.synthetic_batches(3, 8, shape=(3, 16, 16), num_classes=5, device=device, dtype=dtype)
     assert len(a) == 3
     for (xa, ya), (xb, yb) in zip(a, b):
         assert xa.shape == (8, 3, 16, 16) and xa.dtype == dtype and xa.device.type == device
@@ -320,7 +321,7 @@ def test_synthetic_batches_deterministic_on_requested_device_and_dtype(device, d
         assert 0 <= ya.min() and ya.max() < 5
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert not torch.equal(a[0][0], a[1][0])  # batches differ from each other
-    other = data.synthetic_batches(1, 8, shape=(3, 16, 16), device=device, dtype=dtype, seed=1)
+    other = bench.synthetic_batches(1, 8, shape=(3, 16, 16), device=device, dtype=dtype, seed=1)
     assert not torch.equal(other[0][0], a[0][0])
 
 

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from course_lib import device as D
+from course_lib.chapters import matmul as MM
 
 
 @pytest.mark.parametrize("cc, precision, scaler", [
@@ -81,14 +82,14 @@ def test_one_cpu_rule_for_recommendation_trainer_auto_and_hardware_report(monkey
     ("NVIDIA A10G", "bf16", None), ("NVIDIA GeForce RTX 4090", "bf16", None),
 ])
 def test_peak_table_knows_datasheet_gpus_and_says_unknown_for_the_rest(name, dtype, peak):
-    assert D.peak_tflops(name, dtype) == peak
+    assert MM.peak_tflops(name, dtype) == peak
 
 
 def test_tf32_context_switches_both_flags_and_restores_them():
     before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    with D.tf32(True):
+    with MM.tf32(True):
         assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
-    with D.tf32(False):
+    with MM.tf32(False):
         assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
     assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == before
 

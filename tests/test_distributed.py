@@ -1,4 +1,4 @@
-"""course_lib.chapters.distributed and ddp_worker: real 2-process torchrun runs on gloo, and the helpers.
+"""course_lib.chapters.distributed, ddp_launch and ddp_worker: real 2-process torchrun runs on gloo, and the helpers.
 
 Four real launches (each starts torchrun and two ranks, 10-30 s on a 2-core machine): a run that
 works and whose outputs check out, a rank that raises (named, nothing left behind), a rank that
@@ -23,16 +23,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
+from course_lib.chapters import ddp_launch as L
 from course_lib.chapters import distributed as D
+from course_lib.chapters.ddp_launch import DDPRun, DDPRunError, DDPTimeout, launch, torchrun_command
 from course_lib.chapters.distributed import (
-    DDPRun,
-    DDPRunError,
-    DDPTimeout,
     format_timing_reference,
-    launch,
     reference_train,
     rel_diff,
-    torchrun_command,
     training_state_bytes,
 )
 from course_lib.data import load_dataset
@@ -109,7 +106,7 @@ def test_a_rank_that_raises_is_named_and_nothing_is_left(tmp_path):
     assert message.startswith("rank 1 failed first: RuntimeError: injected failure on rank 1"), message
     run = info.value.run
     assert run.leftovers() == [] and run.port_free()
-    assert not D._pids_with_token("no-such-token")
+    assert not L._pids_with_token("no-such-token")
 
 
 def test_a_hung_rank_is_stopped_by_the_timeout_and_nothing_is_left(tmp_path):
@@ -165,17 +162,17 @@ def test_torchrun_command_for_one_machine_and_for_many():
 
 def test_the_environment_shares_the_cores_and_marks_every_process(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    env = D._environment(2, "tok")
-    assert env[D.TOKEN_VAR] == "tok" and int(env["OMP_NUM_THREADS"]) >= 1
+    env = L._environment(2, "tok")
+    assert env[L.TOKEN_VAR] == "tok" and int(env["OMP_NUM_THREADS"]) >= 1
 
 
 def test_the_first_failure_comes_from_torchruns_summary_when_no_rank_recorded_one(tmp_path):
     run = DDPRun(["torchrun"], tmp_path, returncode=1, launcher_log=(
         "[1]:\n  time      : 2026\n  host      : h\n  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 5)\n"))
-    assert D._first_failure(run) == "rank 1 exited with code -9 (signal 9, SIGKILL)"
+    assert L._first_failure(run) == "rank 1 exited with code -9 (signal 9, SIGKILL)"
     (tmp_path / "failed_rank0.json").write_text(json.dumps({"rank": 0, "time": 2.0, "error": "B: later"}))
     (tmp_path / "failed_rank3.json").write_text(json.dumps({"rank": 3, "time": 1.0, "error": "A:\n  first"}))
-    assert D._first_failure(run) == "rank 3 failed first: A: first (then rank 0, because it left)"
+    assert L._first_failure(run) == "rank 3 failed first: A: first (then rank 0, because it left)"
 
 
 def test_a_rank_that_crashed_after_done_is_named_as_such_and_the_one_torchrun_stopped_too(tmp_path):
@@ -185,14 +182,14 @@ def test_a_rank_that_crashed_after_done_is_named_as_such_and_the_one_torchrun_st
     logs = {r: {"stdout": f"[rank {r}] done: 32 optimizer steps\n", "stderr": ""} for r in (0, 1)}
     logs[0]["stderr"] = ("terminate called without an active exception\nFatal Python error: Aborted\n\n"
                          "Extension modules: numpy\n")  # faulthandler's dump follows what the rank said
-    message = D._first_failure(DDPRun(["torchrun"], tmp_path, returncode=1, logs=logs, launcher_log=summary))
+    message = L._first_failure(DDPRun(["torchrun"], tmp_path, returncode=1, logs=logs, launcher_log=summary))
     assert message.startswith(
         "rank 0 finished its work but crashed while exiting: exit code -6 (signal 6, SIGABRT), last said 'terminate "
         "called without an active exception'; rank 1 was then stopped by torchrun (exit code -15 (signal 15, "
         "SIGTERM)); its work was done (every rank's: "), message
     assert "run the launch again" in message and "tools/stress_ddp.py" in message
     logs[1]["stdout"] = "[rank 1] step 3\n"  # rank 1 had not finished: no claim that the outputs are complete
-    message = D._first_failure(DDPRun(["torchrun"], tmp_path, returncode=1, logs=logs, launcher_log=summary))
+    message = L._first_failure(DDPRun(["torchrun"], tmp_path, returncode=1, logs=logs, launcher_log=summary))
     assert "its work was done; what failed is the process's shutdown" in message
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course_lib.chapters import multi
+from course_lib.chapters import article_two_models, multi
 from course_lib.chapters.doctor import PROBLEMS, diagnose
 from course_lib.train import TrainConfig, Trainer
 
@@ -88,7 +88,7 @@ def with_trainer(model, opt, scaler, batches):  # the course's one loop (course_
 def two_models(models, opts, scaler, batches):  # chapter 05
     mode = multi.amp_mode("cpu")
     for x, y in batches:
-        multi.two_model_step(*models, *opts, scaler, x, y, mode, max_norm=1.0)
+        article_two_models.two_model_step(*models, *opts, scaler, x, y, mode, max_norm=1.0)
 
 
 def gan(models, opts, scaler, batches):  # chapter 05: alternating updates
@@ -134,7 +134,7 @@ def test_the_gradient_check_runs_and_agrees_on_a_correct_accumulation():
 
 
 def test_correct_multi_model_loops_get_no_false_alarm():
-    m0, m1 = multi.two_models(0)
+    m0, m1 = article_two_models.two_models(0)
     opts = tuple(torch.optim.SGD(m.parameters(), lr=0.01) for m in (m0, m1))
     batches = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(6)]
     assert codes(two_models, (m0, m1), opts, torch.amp.GradScaler("cpu"), batches, loss_fn=None) == []
@@ -354,7 +354,7 @@ def test_update_between_the_optimizers_steps_is_named():
             scaler.step(opts[1])
             scaler.update()
 
-    m0, m1 = multi.two_models(0)
+    m0, m1 = article_two_models.two_models(0)
     opts = tuple(torch.optim.SGD(m.parameters(), lr=0.01) for m in (m0, m1))
     batches = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(4)]
     assert codes(update_between, (m0, m1), opts, torch.amp.GradScaler("cpu"), batches, loss_fn=None) == \
@@ -370,7 +370,7 @@ def test_a_missing_retain_graph_is_explained():
             scaler.scale(loss0).backward()
             scaler.scale(loss1).backward()
 
-    m0, m1 = multi.two_models(0)
+    m0, m1 = article_two_models.two_models(0)
     opts = tuple(torch.optim.SGD(m.parameters(), lr=0.01) for m in (m0, m1))
     report = diagnose(no_retain, (m0, m1), opts, torch.amp.GradScaler("cpu"), [(torch.randn(8, 16), torch.randn(8, 4))])
     assert report.codes == ["raised"] and "retain_graph=True" in report.findings[0].fix
@@ -594,7 +594,7 @@ def test_every_pattern_of_the_amp_examples_page_gets_no_finding(train, accum, n,
 
 @pytest.mark.parametrize("init_scale", [2.0 ** 16, 2.0 ** 24])
 def test_the_pages_multiple_models_losses_and_optimizers_get_no_finding(init_scale):
-    models = multi.two_models(0)
+    models = article_two_models.two_models(0)
     opts = tuple(torch.optim.SGD(m.parameters(), lr=0.01) for m in models)
     batches = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(6)]
     assert codes(page_two_models, models, opts, torch.amp.GradScaler("cpu", init_scale=init_scale), batches,
@@ -722,7 +722,7 @@ def test_a_direct_step_with_scaled_gradients_is_not_blamed_on_a_forward_overflow
             scaler.update()
             opt1.step()
 
-    models = multi.two_models(seed=0)
+    models = article_two_models.two_models(seed=0)
     opts = tuple(torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in models)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(16, 16, generator=g), torch.randn(16, 4, generator=g)) for _ in range(4)]

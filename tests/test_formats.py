@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from course_lib.chapters import format_limits as FL
 from course_lib.chapters import formats as F
 
 STORAGE = F.STORAGE_FORMATS
@@ -87,9 +88,9 @@ def test_subnormal_mantissa_bits_are_worth_2_to_the_minus_15_to_24_and_half_the_
         assert d.kind == "subnormal" and d.mantissa == 1 << (10 - i)
     assert F.decompose(2.0**-24, "fp16").mantissa == 1  # only the last bit is worth 2^-24
     half = torch.tensor(2.0**-25)
-    assert F.fate(half.item(), "fp16") == "underflow" and F.decompose(half.item(), "fp16").value == 0
+    assert FL.fate(half.item(), "fp16") == "underflow" and F.decompose(half.item(), "fp16").value == 0
     above = torch.nextafter(half, torch.tensor(1.0)).item()  # the next fp32 number: rounds up
-    assert F.fate(above, "fp16") == "subnormal" and F.decompose(above, "fp16").value == 2.0**-24
+    assert FL.fate(above, "fp16") == "subnormal" and F.decompose(above, "fp16").value == 2.0**-24
 
 
 @pytest.mark.parametrize("fmt", STORAGE)
@@ -115,7 +116,7 @@ def test_decompose_rounds_like_torch_and_the_error_is_at_most_half_a_gap(fmt):
         d = F.decompose(x, fmt)
         assert d.value == float(torch.tensor(x).to(f.dtype).double())
         assert d.error == d.value - x
-        assert abs(d.error) <= F.spacing(x, fmt).item() / 2
+        assert abs(d.error) <= FL.spacing(x, fmt).item() / 2
 
 
 def test_all_values_lists_every_pattern_in_order():
@@ -135,7 +136,7 @@ def test_all_values_lists_every_pattern_in_order():
     ("fp8_e5m2", 57344.0, 2.0**-14, 2.0**-16, 2.0**-2),
 ])
 def test_format_table_has_the_exact_limits_and_agrees_with_the_layout(fmt, max_, normal, subnormal, eps):
-    row = next(r for r in F.format_table() if r["format"] == fmt)
+    row = next(r for r in FL.format_table() if r["format"] == fmt)
     assert (row["max"], row["smallest_normal"], row["smallest_subnormal"], row["eps"]) == (max_, normal, subnormal, eps)
     assert row["source"] == "torch.finfo"
     f = F.get_format(fmt)
@@ -143,12 +144,12 @@ def test_format_table_has_the_exact_limits_and_agrees_with_the_layout(fmt, max_,
 
 
 def test_tf32_is_described_but_is_not_a_storage_dtype():
-    row = next(r for r in F.format_table() if r["format"] == "tf32")
+    row = next(r for r in FL.format_table() if r["format"] == "tf32")
     assert (row["exponent_bits"], row["mantissa_bits"], row["bits"], row["eps"]) == (8, 10, 19, 2.0**-10)
     assert row["smallest_subnormal"] is None and "layout" in row["source"]
     with pytest.raises(ValueError, match="not a storage dtype"):
         F.decompose(1.0, "tf32")
-    assert "tf32" in F.format_table_text() and "n/a" in F.format_table_text()
+    assert "tf32" in FL.format_table_text() and "n/a" in FL.format_table_text()
 
 
 @pytest.mark.parametrize("name, want", [("half", "fp16"), (torch.bfloat16, "bf16"), ("e4m3", "fp8_e4m3fn"),
@@ -169,12 +170,12 @@ def test_unknown_format_names_the_known_ones():
     (1.0, "bf16", 2.0**-7), (1.0, "fp8_e4m3fn", 0.125), (448.0, "fp8_e4m3fn", 32.0), (1.0, "fp8_e5m2", 0.25),
 ])
 def test_spacing_is_one_ulp(x, fmt, gap):
-    assert F.spacing(x, fmt).item() == gap
+    assert FL.spacing(x, fmt).item() == gap
 
 
 @pytest.mark.parametrize("x, fmt", [(70000.0, "fp16"), (500.0, "fp8_e4m3fn"), (math.nan, "bf16"), (1e39, "fp32")])
 def test_spacing_is_nan_outside_the_range(x, fmt):
-    assert math.isnan(F.spacing(x, fmt).item())
+    assert math.isnan(FL.spacing(x, fmt).item())
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp16"])
@@ -183,14 +184,14 @@ def test_spacing_matches_torch_nextafter(fmt):
     x = (torch.rand(2000, generator=torch.Generator().manual_seed(0)) * 2 - 1) * 1e4
     v = x.to(dt).abs()
     want = (torch.nextafter(v, torch.full_like(v, math.inf)).double() - v.double())
-    assert torch.equal(F.spacing(x, fmt), want)
+    assert torch.equal(FL.spacing(x, fmt), want)
 
 
 def _fp32_values(fmt: str, seed: int) -> list[float]:
     f = F.get_format(fmt)
     rng = random.Random(seed)
     xs = [float(np.float32(2.0 ** rng.uniform(-149, 128))) for _ in range(3000)]
-    for a in [f.max, F.overflow_threshold(f), f.smallest_normal, f.smallest_normal - f.smallest_subnormal / 2,
+    for a in [f.max, FL.overflow_threshold(f), f.smallest_normal, f.smallest_normal - f.smallest_subnormal / 2,
               f.smallest_subnormal, f.smallest_subnormal / 2]:
         v = np.float32(a)
         xs += [float(v), float(np.nextafter(v, np.float32(0))), float(np.nextafter(v, np.float32(np.inf)))]
@@ -204,14 +205,14 @@ def test_fate_agrees_with_torch_across_the_range_and_at_every_threshold(fmt):
         r = float(torch.tensor([x]).to(f.dtype).double()[0])
         want = "overflow" if math.isinf(r) else "underflow" if r == 0 else \
                "subnormal" if abs(r) < f.smallest_normal else "normal"
-        assert F.fate(x, fmt) == want == F.fate(-x, fmt), x
+        assert FL.fate(x, fmt) == want == FL.fate(-x, fmt), x
 
 
 def _float64_near_thresholds(fmt: str) -> list[float]:
     """float64 numbers that are not float32 numbers, on both sides of every threshold of the format."""
     f = F.get_format(fmt)
     xs = []
-    for a in [F.overflow_threshold(f), f.smallest_normal - f.smallest_subnormal / 2, f.smallest_subnormal / 2]:
+    for a in [FL.overflow_threshold(f), f.smallest_normal - f.smallest_subnormal / 2, f.smallest_subnormal / 2]:
         xs += [a * (1 + k * 2.0**-40) for k in (-3, -2, -1, 1, 2, 3)]
     return [x for x in xs if float(np.float32(x)) != x]
 
@@ -229,21 +230,21 @@ def test_fate_of_a_float64_is_what_torch_stores_after_rounding_it_to_float32_fir
         assert torch.equal(stored, torch.tensor([x], dtype=torch.float32).to(f.dtype)), x  # one path in torch
         r = float(stored.double()[0])
         # e4m3fn saturates to 448 (or gives NaN): out of range is its float32 beyond the tie 464
-        out = math.isinf(r) or math.isnan(r) or (not f.has_inf and float(np.float32(x)) > F.overflow_threshold(f))
+        out = math.isinf(r) or math.isnan(r) or (not f.has_inf and float(np.float32(x)) > FL.overflow_threshold(f))
         want = "overflow" if out else "underflow" if r == 0 else "subnormal" if abs(r) < f.smallest_normal else "normal"
-        assert F.fate(x, fmt) == want, x
+        assert FL.fate(x, fmt) == want, x
 
 
 def test_65519_99999_is_inf_in_fp16_for_fate_and_the_bit_explorer_alike():
     x = 65519.99999
-    assert F.fate(x, "fp16") == "overflow" and F.decompose(x, "fp16").kind == "inf"
+    assert FL.fate(x, "fp16") == "overflow" and F.decompose(x, "fp16").kind == "inf"
     assert math.isinf(torch.tensor(x, dtype=torch.float32).half().item())  # an fp32 tensor: 65520.0, a tie
-    assert F.fate(65519.99, "fp16") == "normal" == F.decompose(65519.99, "fp16").kind  # its float32 is < 65520
+    assert FL.fate(65519.99, "fp16") == "normal" == F.decompose(65519.99, "fp16").kind  # its float32 is < 65520
 
 
 def test_e4m3fn_overflow_starts_after_the_tie_at_464():
-    assert F.fate(464.0, "e4m3") == "normal" and F.decompose(464.0, "e4m3").value == 448.0
-    assert F.fate(464.0001, "e4m3") == "overflow"
+    assert FL.fate(464.0, "e4m3") == "normal" and F.decompose(464.0, "e4m3").value == 448.0
+    assert FL.fate(464.0001, "e4m3") == "overflow"
 
 
 def test_e4m3fn_beyond_its_range_saturates_or_gives_nan_and_chapter_01_accepts_either():
@@ -268,8 +269,8 @@ def test_e4m3fn_beyond_its_range_saturates_or_gives_nan_and_chapter_01_accepts_e
 
 def test_fates_counts_fractions_of_nonzero_finite_entries():
     t = torch.tensor([1e5, 1.0, 1e-6, 1e-9, 0.0, math.nan])
-    assert F.fates(t, "fp16") == {"overflow": 0.25, "underflow": 0.25, "subnormal": 0.25, "normal": 0.25}
-    assert F.fates(t, "bf16") == {"overflow": 0.0, "underflow": 0.0, "subnormal": 0.0, "normal": 1.0}
+    assert FL.fates(t, "fp16") == {"overflow": 0.25, "underflow": 0.25, "subnormal": 0.25, "normal": 0.25}
+    assert FL.fates(t, "bf16") == {"overflow": 0.0, "underflow": 0.0, "subnormal": 0.0, "normal": 1.0}
 
 
 def test_fates_judges_e4m3fn_out_of_range_on_the_float32_torch_converts():
@@ -277,14 +278,14 @@ def test_fates_judges_e4m3fn_out_of_range_on_the_float32_torch_converts():
     # that torch rounds to 448: no overflow, as torch stores it.
     t = torch.tensor([464.00001], dtype=torch.float64)
     assert t.to(torch.float8_e4m3fn).float().item() == 448.0
-    assert F.fates(t, "e4m3") == {"overflow": 0.0, "underflow": 0.0, "subnormal": 0.0, "normal": 1.0}
-    assert F.fate(464.00001, "e4m3") == "normal"
+    assert FL.fates(t, "e4m3") == {"overflow": 0.0, "underflow": 0.0, "subnormal": 0.0, "normal": 1.0}
+    assert FL.fate(464.00001, "e4m3") == "normal"
 
 
 # --------------------------------------------------------------------------- accumulation and matmul
 
 def test_naive_sums_stall_where_the_increment_is_below_half_the_gap():
-    rows = {(r["format"], r["how"]): r for r in F.sum_experiment(1e-4, 10_000)}
+    rows = {(r["format"], r["how"]): r for r in FL.sum_experiment(1e-4, 10_000)}
     assert rows[("fp16", "naive")]["final"] == 0.25 and rows[("fp16", "naive")]["stalled_value"] == 0.25
     assert rows[("bf16", "naive")]["final"] == 0.03125
     assert rows[("fp32", "naive")]["stalled_after_step"] is None
@@ -293,15 +294,15 @@ def test_naive_sums_stall_where_the_increment_is_below_half_the_gap():
 
 
 def test_running_sum_rounds_after_every_addition():
-    partial = F.running_sum([2048.0, 1.0, 1.0], "fp16")
+    partial = FL.running_sum([2048.0, 1.0, 1.0], "fp16")
     assert partial.tolist() == [2048.0, 2048.0, 2048.0]  # each +1 is a tie that rounds back to even
-    assert F.running_sum([2048.0, 1.0, 1.0], "fp16", accumulator="fp32").tolist() == [2048.0, 2049.0, 2050.0]
+    assert FL.running_sum([2048.0, 1.0, 1.0], "fp16", accumulator="fp32").tolist() == [2048.0, 2049.0, 2050.0]
 
 
 def test_fp8_needs_a_per_tensor_scale():
     t = torch.randn(10_000, generator=torch.Generator().manual_seed(0)) * 1e-3
     rel = lambda back: ((back - t).norm() / t.norm()).item()  # noqa: E731
-    unscaled, _ = F.fp8_roundtrip(t, "fp8_e4m3fn", scaled=False)
-    scaled, scale = F.fp8_roundtrip(t, "fp8_e4m3fn")
+    unscaled, _ = FL.fp8_roundtrip(t, "fp8_e4m3fn", scaled=False)
+    scaled, scale = FL.fp8_roundtrip(t, "fp8_e4m3fn")
     assert rel(unscaled) > 0.3 and rel(scaled) < 0.05
     assert scale == pytest.approx(448.0 / t.abs().max().item())

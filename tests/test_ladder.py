@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from course_lib.chapters import ladder, parity, targets
+from course_lib.chapters import ladder, parity, rungs, targets
 
 
 def test_resnet50_ladder_times_every_rung_this_machine_can_run_and_says_why_not_the_others(monkeypatch):
@@ -29,7 +29,7 @@ def test_resnet50_ladder_times_every_rung_this_machine_can_run_and_says_why_not_
     timed = [r for r in rows if "ms_per_step" in r]
     assert timed[0]["speedup"] == 1.0 and timed[0]["image_size"] == 32  # a toy on a CPU, never 224 px
     assert [round(r["speedup"], 2) for r in timed] == [1.0, 1.11, 2.0, 2.22]
-    assert all(len(line) <= 100 for line in ladder.format_rows(rows).splitlines())
+    assert all(len(line) <= 100 for line in rungs.format_rows(rows).splitlines())
     monkeypatch.setattr(ladder, "has_native_bf16", lambda dev: False)
     rows = ladder.resnet50_ladder("cpu", batch=2, steps=1)
     assert all("emulated" in r["note"] for r in rows if r["mode"].startswith("AMP bf16"))
@@ -37,7 +37,7 @@ def test_resnet50_ladder_times_every_rung_this_machine_can_run_and_says_why_not_
 
 
 def test_course_ladder_adds_one_change_per_rung_and_skips_compiling_on_a_cpu():
-    rows = ladder.course_ladder("cpu", batch=4, steps=1)
+    rows = rungs.course_ladder("cpu", batch=4, steps=1)
     assert [r["mode"].split(" (")[0] for r in rows] == [
         "fp32, DataLoader", f"+ AMP {rows[1].get('precision', 'bf16')}", "+ channels_last", "+ fused AdamW",
         "+ torch.compile", "+ 4 workers, pinned", "+ data on the device"]
@@ -160,7 +160,7 @@ def test_largest_batch_doubles_until_out_of_memory_with_one_untimed_step_per_pro
 
 
 def test_each_rung_is_the_one_before_it_with_one_change():
-    for rungs in (ladder.COURSE_RUNGS, ladder.GPT_RUNGS):
-        for before, after in zip(rungs, rungs[1:]):
+    for ladder_rungs in (rungs.COURSE_RUNGS, ladder.GPT_RUNGS):
+        for before, after in zip(ladder_rungs, ladder_rungs[1:]):
             changed = [k for k, v in vars(after).items() if k != "label" and v != vars(before)[k]]
             assert len(changed) == 1, (after.label, changed)

@@ -1,4 +1,4 @@
-"""course_lib.chapters.loading: the pipeline, the wait measurement, seeding, the on-device loader, the CLI."""
+"""course_lib.chapters.loading and data_wait: the pipeline, the wait measured, seeding, on-device loading, the CLI."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from course_lib.chapters import data_wait as W
 from course_lib.chapters import loading as L
 from course_lib.data import DATA_DIR, load_dataset
 
@@ -54,7 +55,7 @@ class _TimedLoader:
 
 
 def test_measure_loader_times_the_wait_and_restarts_epochs():
-    run = L.measure_loader(_TimedLoader(3, ms=20), L.simulated_step(20), steps=7, warmup=1, label="x")
+    run = W.measure_loader(_TimedLoader(3, ms=20), W.simulated_step(20), steps=7, warmup=1, label="x")
     assert len(run.wait_ms) == len(run.step_ms) == 7
     assert 0.35 < run.wait_fraction < 0.7  # loading and compute take turns: about a half
     assert all(w >= 15 for w in run.wait_ms) and all(s >= 35 for s in run.step_ms)
@@ -66,32 +67,32 @@ def test_measure_loader_warms_up_one_step_per_worker_by_default(raw):
     images, labels = raw
     loader = DataLoader(TensorDataset(images[:64], labels[:64]), batch_size=4, num_workers=2)
     calls = []
-    L.measure_loader(loader, calls.append, steps=3)
+    W.measure_loader(loader, calls.append, steps=3)
     assert len(calls) == 2 + 2 + 3
 
 
 def test_loader_run_windows_and_table():
-    run = L.LoaderRun("a label", 10, wait_ms=[1, 1, 3, 3], step_ms=[10, 10, 10, 10], first_batch_ms=5)
+    run = W.LoaderRun("a label", 10, wait_ms=[1, 1, 3, 3], step_ms=[10, 10, 10, 10], first_batch_ms=5)
     rates, fractions = run.windows(2)
     assert rates == [1000.0, 1000.0] and fractions == [0.1, 0.3]
     assert run.wait_fraction == pytest.approx(0.2)
-    table = L.format_runs([run, run])
+    table = W.format_runs([run, run])
     assert len(table.splitlines()) == 3 and all(len(line) <= 100 for line in table.splitlines())
 
 
 def test_workers_needed_and_cpus():
-    assert L.workers_needed(100, 100) == 2  # 1.25 rounded up: headroom over exactly one
-    assert L.workers_needed(100, 200) == 1
-    assert L.workers_needed(300, 100) == 4
-    assert L.cpus() >= 1
+    assert W.workers_needed(100, 100) == 2  # 1.25 rounded up: headroom over exactly one
+    assert W.workers_needed(100, 200) == 1
+    assert W.workers_needed(300, 100) == 4
+    assert W.cpus() >= 1
 
 
 def test_sweep_plot_has_both_panels_and_a_legend_in_each(raw):
     images, labels = raw
     ds = TensorDataset(images[:128], labels[:128])
-    runs = L.sweep(lambda w: DataLoader(ds, batch_size=8, num_workers=w), [0, 1], L.simulated_step(1), steps=4)
+    runs = W.sweep(lambda w: DataLoader(ds, batch_size=8, num_workers=w), [0, 1], W.simulated_step(1), steps=4)
     assert [r.label for r in runs] == ["0", "1"]
-    fig = L.plot_sweep({"s": runs}, [0, 1], "num_workers", demand={"s": 500.0}, supply=300.0, cores=2)
+    fig = W.plot_sweep({"s": runs}, [0, 1], "num_workers", demand={"s": 500.0}, supply=300.0, cores=2)
     ax1, ax2 = fig.axes
     assert ax1.get_legend() is not None and ax2.get_legend() is not None
     assert "images/s" in ax1.get_ylabel() and "%" in ax2.get_ylabel()
@@ -170,7 +171,7 @@ def test_device_loader_covers_the_data_once_per_epoch_in_a_seeded_order(raw):
 
 
 def test_format_reference_shows_copies_and_the_sweep():
-    run = L.LoaderRun("num_workers=2", 64, [0.1, 0.2], [10.0, 11.0], 50.0)
+    run = W.LoaderRun("num_workers=2", 64, [0.1, 0.2], [10.0, 11.0], 50.0)
     copies = [{"copy": name, "mib": 64, "copy_ms": 3.0, "copy_lo": 2.9, "copy_hi": 3.1, "gb_per_s": 22.4,
                "busy_ms": 20.0, "host_ms": h, "both_ms": 21.0} for name, h in (("pageable .to()", 23.0),
                                                                              ("pinned, non_blocking", 0.02))]
@@ -207,7 +208,7 @@ def test_chapter_07_sets_one_cores_supply_from_the_median_step():
 
     import nbformat
 
-    from course_lib.chapters.loading import LoaderRun
+    from course_lib.chapters.data_wait import LoaderRun
     cells = nbformat.read(Path(__file__).parents[1] / "notebooks" / "07_loading.ipynb", as_version=4).cells
     source = next(c.source for c in cells if c.cell_type == "code" and "load_only = measure_loader" in c.source)
     assert "load_ms = load_only.step.median_ms" in source and "supply = 1000 * B / load_ms" in source

@@ -65,7 +65,7 @@ def test_matmul_table_text_puts_modes_in_rows_and_fits_100_characters():
 
 
 def test_peak_ratios_come_from_the_device_table_with_no_tensor_core_path_as_none():
-    from course_lib.device import PEAK_TFLOPS
+    from course_lib.chapters.matmul import PEAK_TFLOPS
     rows = {r["gpu"]: r for r in M.peak_ratios()}
     assert set(rows) == set(PEAK_TFLOPS) and set(M.FP8_PEAK_TFLOPS) <= set(PEAK_TFLOPS)
     assert rows["H100 SXM"]["bf16/fp32"] == pytest.approx(989.4 / 66.9) == pytest.approx(14.8, abs=0.05)

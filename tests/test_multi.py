@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from course_lib.chapters import multi
+from course_lib.chapters import article_two_models, multi
 
 FP16 = multi.cpu_fp16_scaler_works()
 needs_fp16 = pytest.mark.skipif(not FP16, reason="this torch has no CPU fp16 autocast + GradScaler")
@@ -28,11 +28,12 @@ def test_amp_mode_picks_fp16_with_a_scaler_where_it_works_else_bf16_alone():
 @needs_fp16
 def test_two_model_step_matches_the_examples_page_and_skips_then_learns():
     mode = multi.amp_mode("cpu")
-    model0, model1 = multi.two_models(0)
+    model0, model1 = article_two_models.two_models(0)
     opt0, opt1 = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (model0, model1))
     scaler = mode.make_scaler()
     x, y = torch.randn(32, 16), torch.randn(32, 4)
-    rows = [multi.two_model_step(model0, model1, opt0, opt1, scaler, x, y, mode, max_norm=1.0) for _ in range(8)]
+    rows = [article_two_models.two_model_step(model0, model1, opt0, opt1, scaler, x, y, mode, max_norm=1.0)
+            for _ in range(8)]
     assert rows[0]["scale"] == 2.0 ** 16 and rows[0]["skipped"] == [True, True]  # fp16 overflows at 65536
     assert rows[-1]["skipped"] == [False, False] and rows[-1]["loss0"] < rows[0]["loss0"]
     scales = [r["scale"] for r in rows]
@@ -41,14 +42,14 @@ def test_two_model_step_matches_the_examples_page_and_skips_then_learns():
 
 @needs_fp16
 def test_each_optimizer_skips_on_its_own_and_update_backs_off_once():
-    rows = multi.independent_skips(multi.amp_mode("cpu"), iterations=8)
+    rows = article_two_models.independent_skips(multi.amp_mode("cpu"), iterations=8)
     alone = [r for r in rows if r["opt1_skipped"] and not r["opt0_skipped"]]
     assert alone and all(r["scale_after"] == r["scale"] / 2 for r in alone)
     assert not rows[-1]["opt1_skipped"]
 
 
 def test_retain_graph_and_the_summed_loss_give_the_same_gradients():
-    result = multi.retain_vs_sum(multi.AmpMode("cpu", torch.float32, False, ""), batch=16, iters=2)
+    result = article_two_models.retain_vs_sum(multi.AmpMode("cpu", torch.float32, False, ""), batch=16, iters=2)
     assert result["max_rel_diff"] < 1e-5 and set(result["timings"]) == {"two backward (retain_graph)",
                                                                        "one backward of the sum"}
 
@@ -88,7 +89,7 @@ def test_the_penalty_matches_fp32_only_with_the_manual_unscaling():
 
 
 def test_the_functions_the_chapter_prints_fit_in_100_characters():
-    for fn in (multi.two_model_step, multi.gan_step, multi.penalty_backward):
+    for fn in (article_two_models.two_model_step, multi.gan_step, multi.penalty_backward):
         assert max(map(len, inspect.getsource(fn).splitlines())) <= 100, fn.__name__
 
 

@@ -10,6 +10,7 @@ import matplotlib
 import pytest
 import torch
 
+from course_lib.chapters import measured_steps as M
 from course_lib.chapters import profiling as P
 from course_lib.chapters import traces as T
 from course_lib.models import MLP
@@ -181,7 +182,7 @@ def test_the_cpu_rule_for_overhead_is_the_length_of_the_ops_doing_the_work():
 
 
 def test_the_contrived_bottlenecks_are_what_they_say(tmp_path):
-    steps = P.bottleneck_steps("cpu")
+    steps = M.bottleneck_steps("cpu")
     assert list(steps) == ["data", "overhead", "compute"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # on a 2-core machine shared with other jobs, two threads wait for each other
@@ -198,23 +199,25 @@ def test_timing_three_ways_and_the_cost_of_a_read_back():
     def make_step():
         calls.append("fresh")
         return lambda: time.sleep(0.002)
-    ways = P.naive_vs_proper(make_step, "cpu", repeats=3, iters=4)
+    ways = M.naive_vs_proper(make_step, "cpu", repeats=3, iters=4)
     assert list(ways) == ["naive", "no sync", "proper"] and len(calls) == 3
     assert len(ways["naive"].times_ms) == 3 and len(ways["proper"].times_ms) == 4
     assert all(t.median_ms >= 2 for t in ways.values())
-    cost = P.sync_cost("cpu", steps=2, iters=2, width=4, batch=4)
+    cost = M.sync_cost("cpu", steps=2, iters=2, width=4, batch=4)
     assert list(cost) == ["read every step", "read every 2 steps"]
-    assert all(len(line) <= 100 for line in P.format_timings(cost).splitlines())
+    assert all(len(line) <= 100 for line in M.format_timings(cost).splitlines())
 
 
 def test_the_recording_cli_writes_summaries_that_format_reference_reads(tmp_path, monkeypatch):
-    small, time_fn, sync_cost, naive_vs_proper = P.make_trainer, P.time_fn, P.sync_cost, P.naive_vs_proper
+    small, time_fn, sync_cost, naive_vs_proper = M.make_trainer, P.time_fn, M.sync_cost, M.naive_vs_proper
 
     def tiny_make_trainer(precision="fp32", device="auto", width=None, batch=None, log_every=10):
         return small(precision, device, width=4, batch=8, log_every=log_every)
-    monkeypatch.setattr(P, "make_trainer", tiny_make_trainer)
-    for name, fast in (("time_fn", lambda fn, iters=10, **kw: time_fn(fn, **{**kw, "warmup": 1, "iters": 3})),
-                       ("sync_cost", lambda device, **kw: sync_cost(device, steps=2, iters=2, **kw)),
+    for module in (P, M):  # looked up by profiling's _record_all and by measured_steps' sync_cost, naive_vs_proper
+        monkeypatch.setattr(module, "make_trainer", tiny_make_trainer)
+        monkeypatch.setattr(module, "time_fn",
+                            lambda fn, iters=10, **kw: time_fn(fn, **{**kw, "warmup": 1, "iters": 3}))
+    for name, fast in (("sync_cost", lambda device, **kw: sync_cost(device, steps=2, iters=2, **kw)),
                        ("naive_vs_proper", lambda make, device: naive_vs_proper(make, device, repeats=2, iters=3))):
         monkeypatch.setattr(P, name, fast)  # the real sizes take minutes on a CPU
     trainer, batch = tiny_trainer(foreach=False)
@@ -236,8 +239,8 @@ def test_the_recording_cli_writes_summaries_that_format_reference_reads(tmp_path
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_memory_per_phase_and_snapshot(tmp_path):
-    trainer, batch = P.make_trainer("auto", "cuda", batch=64)
-    phases = P.cuda_phase_memory(trainer, batch)
+    trainer, batch = M.make_trainer("auto", "cuda", batch=64)
+    phases = M.cuda_phase_memory(trainer, batch)
     assert phases["start"] > 0 and phases["backward"] >= phases["start"]
-    summary = P.memory_snapshot_summary(lambda: trainer.train_step(batch), tmp_path / "s.pickle")
+    summary = M.memory_snapshot_summary(lambda: trainer.train_step(batch), tmp_path / "s.pickle")
     assert summary["allocs"] > 0 and summary["largest"] and (tmp_path / "s.pickle").exists()

@@ -17,7 +17,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from course_lib.chapters import loss_scale_simulator as LS
 from course_lib.chapters import scaler as S
+from course_lib.chapters import underflow as U
 from course_lib.chapters import widgets as W
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,13 +150,13 @@ def test_unscale_checks_before_multiplying_so_a_zero_scale_lets_nan_through():
 
 def test_fates_count_zero_subnormal_normal_and_overflow():
     v = torch.tensor([0.0, 2.0 ** -26, 2.0 ** -20, 1.0, 1e5], dtype=torch.float32)
-    (r,) = S.fates(v)
+    (r,) = U.fates(v)
     assert r["n"] == 4 and (r["zero"], r["subnormal"], r["normal"], r["overflow"]) == (0.25, 0.25, 0.25, 0.25)
-    r16, = S.fates(v, [2.0 ** 16])
+    r16, = U.fates(v, [2.0 ** 16])
     assert (r16["zero"], r16["subnormal"], r16["overflow"]) == (0.0, 0.0, 0.5)
-    (rb,) = S.fates(v, dtype=torch.bfloat16)
+    (rb,) = U.fates(v, dtype=torch.bfloat16)
     assert rb["normal"] == 1.0
-    text = S.format_fates(S.fates(v, [1.0, 2.0 ** 16]))
+    text = U.format_fates(U.fates(v, [1.0, 2.0 ** 16]))
     assert "2^16" in text and max(map(len, text.splitlines())) <= 100
 
 
@@ -170,14 +172,14 @@ def test_fates_scales_as_gradscaler_does_a_float32_product_rounded_once(value, s
     stored = torch.amp.GradScaler("cpu", init_scale=scale).scale(v).to(torch.float16)
     want = "overflow" if torch.isinf(stored).all() else "zero" if (stored == 0).all() else "other"
     assert want == fate
-    (r,) = S.fates(v, [scale])
+    (r,) = U.fates(v, [scale])
     assert r[fate] == 1.0 and r["scale"] == S.f32(scale)
 
 
 def test_gradient_sample_collects_activation_and_parameter_gradients():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 7), nn.ReLU(), nn.Linear(7, 3))
-    g = S.gradient_sample(model, torch.randn(5, 10), torch.randint(0, 3, (5,)))
+    g = U.gradient_sample(model, torch.randn(5, 10), torch.randint(0, 3, (5,)))
     assert g["parameters"].numel() == sum(p.numel() for p in model.parameters())
     assert g["activations"].numel() == 5 * (7 + 7 + 3)  # each leaf module's output
     assert not model._forward_hooks and not model[0]._forward_hooks
@@ -224,7 +226,7 @@ def test_plots_draw_without_errors():
     _, ax = plt.subplots()
     S.plot_trajectory(ax, t.scale, t.skipped, label="run")
     assert ax.get_legend() is not None and ax.get_yscale() == "log"
-    fig = S.plot_gradient_histograms({"a": torch.tensor([1e-6, 1e-3, 0.0])})
+    fig = U.plot_gradient_histograms({"a": torch.tensor([1e-6, 1e-3, 0.0])})
     run = {"model": "mlp", "device": "cpu", "growth_interval": 10, "scale": t.scale, "skipped": t.skipped}
     S.plot_dynamics(run)
     plt.close("all")
@@ -233,11 +235,11 @@ def test_plots_draw_without_errors():
 
 # --------------------------------------------------------------------------- the loss-scale simulator
 
-@pytest.mark.parametrize("pattern", list(W.PATTERNS))
+@pytest.mark.parametrize("pattern", list(LS.PATTERNS))
 def test_simulator_text_is_deterministic_and_fits_100_characters(pattern):
-    sim = W.scale_simulator(pattern=pattern, parameter=7, steps=300)
+    sim = LS.scale_simulator(pattern=pattern, parameter=7, steps=300)
     text = repr(sim)
-    assert text == repr(W.scale_simulator(pattern=pattern, parameter=7, steps=300))
+    assert text == repr(LS.scale_simulator(pattern=pattern, parameter=7, steps=300))
     assert max(map(len, text.splitlines())) <= 100
     page = sim._repr_html_()
     chart = base64.b64decode(page.split("base64,")[1].split('"')[0]).decode()
@@ -245,29 +247,29 @@ def test_simulator_text_is_deterministic_and_fits_100_characters(pattern):
 
 
 def test_simulator_patterns_do_what_they_say():
-    never = W.SimulatorSettings(pattern="never", steps=100, growth_interval=10).run()
+    never = LS.SimulatorSettings(pattern="never", steps=100, growth_interval=10).run()
     assert not any(never.skipped) and never.event.count("growth") == 10
-    always = W.SimulatorSettings(pattern="every step", steps=10).run()
+    always = LS.SimulatorSettings(pattern="every step", steps=10).run()
     assert all(always.skipped) and always.after[-1] == 2.0 ** 6
-    every = W.SimulatorSettings(pattern="every k-th step", parameter=5, steps=20).run()
+    every = LS.SimulatorSettings(pattern="every k-th step", parameter=5, steps=20).run()
     assert [i + 1 for i, k in enumerate(every.skipped) if k] == [5, 10, 15, 20]
-    headroom = W.SimulatorSettings(pattern="headroom", parameter=18, growth_interval=5, steps=200).run()
+    headroom = LS.SimulatorSettings(pattern="headroom", parameter=18, growth_interval=5, steps=200).run()
     assert max(headroom.scale) <= 2.0 ** 19 and any(headroom.skipped)
     with pytest.raises(ValueError):
-        W.scale_simulator(pattern="sometimes")
+        LS.scale_simulator(pattern="sometimes")
 
 
 def test_simulator_display_carries_the_widget_and_both_static_views():
-    sim = W.scale_simulator()
+    sim = LS.scale_simulator()
     bundle = sim._repr_mimebundle_()
-    assert bundle["text/plain"] == W.simulator_text(sim.settings)
-    assert bundle["text/html"] == W.simulator_html(sim.settings)
+    assert bundle["text/plain"] == LS.simulator_text(sim.settings)
+    assert bundle["text/html"] == LS.simulator_html(sim.settings)
     assert "model_id" in bundle[W.WIDGET_VIEW]
 
 
 def test_simulator_falls_back_to_the_static_views_without_ipywidgets(monkeypatch):
     monkeypatch.setitem(sys.modules, "ipywidgets", None)
-    assert set(W.scale_simulator()._repr_mimebundle_()) == {"text/plain", "text/html"}
+    assert set(LS.scale_simulator()._repr_mimebundle_()) == {"text/plain", "text/html"}
 
 
 def chart_of(page: str) -> str:
@@ -275,7 +277,7 @@ def chart_of(page: str) -> str:
 
 
 def test_live_simulator_follows_its_controls():
-    sim = W.scale_simulator()
+    sim = LS.scale_simulator()
     box = sim.widget()
     controls, helptext, view = sim._controls, box.children[-2], box.children[-1]
     controls["pattern"].value = "every k-th step"
@@ -297,7 +299,7 @@ def test_the_chapter_stores_the_simulators_static_views():
         assert "nbval-check-output" in cell.metadata.get("tags", [])
         (out,) = [o for o in cell.outputs if "data" in o]
         assert set(out["data"]) == {"text/plain", "text/html"}
-        sim = W.scale_simulator()
+        sim = LS.scale_simulator()
         assert out["data"]["text/plain"] == repr(sim) and out["data"]["text/html"] == sim._repr_html_()
 
 

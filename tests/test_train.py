@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from course_lib.data import make_loader
+from course_lib.loaders import make_loader
 from course_lib.models import MLP
 from course_lib.train import TrainConfig, Trainer, train
 

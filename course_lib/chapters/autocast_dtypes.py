@@ -30,7 +30,8 @@ from torch.utils._pytree import tree_leaves
 from ..models import MLP
 from ..reference import record
 from ..timing import peak_memory_bytes, saved_tensor_bytes
-from .autocast_policy import LOW_PRECISION, short
+from .autocast_dispatch import short
+from .autocast_policy import LOW_PRECISION
 
 __all__ = [
     "dtype_report",

@@ -16,13 +16,13 @@ low-precision inputs and with mixed inputs, and record the output dtypes and the
 autocast inserts (`dispatch_trace`). fp32 in -> low out is "lower_precision"; low in ->
 fp32 out is "fp32"; a cast of the low input up to fp32 that plain eager mode does not make
 is "promote"; an error under autocast that plain eager mode does not raise is "banned".
-`dispatch_trace` works around `loss.backward()` too: `backward_pairs` then shows each
-derivative op next to its forward op, in the dtype that op ran in.
+`dispatch_trace`, `casts`, `backward_pairs` and `registered_ops` are in autocast_dispatch.
 
 `fake=True` runs CUDA autocast on FakeTensors (shape/dtype-only tensors that claim to be on
 CUDA): the dispatcher applies the same AutocastCUDA kernels, so the dtypes are the real
 policy, but no kernel runs. The GPU cells of chapter 02 compare it with a real GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,34 +38,34 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from ..reference import record
+from .autocast_dispatch import SHORT, _Recorder, casts, short
 
-__all__ = ["LOW_PRECISION", "dispatch_trace", "casts", "backward_pairs", "PolicyRow", "fake_cuda_available",
-           "probe_policy", "compare_policies", "format_policy", "format_by_policy", "registered_ops"]
+__all__ = [
+    "LOW_PRECISION",
+    "PolicyRow",
+    "fake_cuda_available",
+    "probe_policy",
+    "compare_policies",
+    "format_policy",
+    "format_by_policy",
+]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 POLICIES = ("lower_precision", "fp32", "promote", "unchanged", "banned")
 WIDTH = 100  # the widest line a table prints: JupyterLab shows it without wrapping
-SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
-
-
-def short(dtype: torch.dtype | None) -> str:
-    """'fp32' / 'fp16' / 'bf16' for a dtype (its torch name for anything else)."""
-    if dtype is None:
-        return "-"
-    return SHORT.get(dtype, str(dtype).replace("torch.", ""))
 
 
 # --------------------------------------------------------------------------- the op table
+
 
 @dataclass(frozen=True)
 class OpSpec:
     """One op to probe. `fn` takes the floating-point inputs (the ones the probe
     varies between fp32 and low precision); parameters such as a linear layer's weight are
     made inside `fn`, in fp32, as a model's parameters would be."""
+
     name: str
     fn: Callable[..., torch.Tensor]
     shapes: tuple[tuple[int, ...], ...]
@@ -83,119 +83,91 @@ def _target(x: torch.Tensor) -> torch.Tensor:
 
 _M = (8, 16)  # every probe is tiny: the dtype policy does not depend on the size
 
-OPS: dict[str, OpSpec] = {s.name: s for s in [
-    # -- matmul-like: the ops Tensor Cores accelerate
-    OpSpec("matmul", lambda a, b: a @ b.T, (_M, _M), "matmul"),
-    OpSpec("mm", lambda a, b: torch.mm(a, b.T), (_M, _M), "matmul"),
-    OpSpec("linear", lambda x: F.linear(x, _w(x, 4, 16), _w(x, 4)), (_M,), "matmul"),
-    OpSpec("conv2d", lambda x: F.conv2d(x, _w(x, 4, 3, 3, 3)), ((2, 3, 8, 8),), "matmul"),
-    OpSpec("conv1d", lambda x: F.conv1d(x, _w(x, 4, 3, 3)), ((2, 3, 8),), "matmul"),
-    OpSpec("bmm", lambda a, b: torch.bmm(a, b.transpose(1, 2)), ((2, 4, 8), (2, 4, 8)), "matmul"),
-    OpSpec("addmm", lambda c, a, b: torch.addmm(c, a, b.T), ((8, 8), _M, _M), "matmul"),
-    OpSpec("baddbmm", lambda c, a, b: torch.baddbmm(c, a, b.transpose(1, 2)),
-           ((2, 4, 4), (2, 4, 8), (2, 4, 8)), "matmul"),
-    OpSpec("einsum", lambda a, b: torch.einsum("ij,kj->ik", a, b), (_M, _M), "matmul"),
-    OpSpec("scaled_dot_product_attention", lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
-           ((1, 2, 4, 8),) * 3, "attention"),
-    # -- normalizations
-    OpSpec("softmax", lambda x: F.softmax(x, -1), (_M,), "normalization"),
-    OpSpec("log_softmax", lambda x: F.log_softmax(x, -1), (_M,), "normalization"),
-    OpSpec("layer_norm", lambda x: F.layer_norm(x, (16,), _w(x, 16) + 1, _w(x, 16)), (_M,), "normalization"),
-    OpSpec("group_norm", lambda x: F.group_norm(x, 2, _w(x, 4) + 1, _w(x, 4)), ((2, 4, 8),), "normalization"),
-    OpSpec("batch_norm", lambda x: F.batch_norm(x, torch.zeros(4, device=x.device), torch.ones(4, device=x.device),
-                                                _w(x, 4) + 1, _w(x, 4), training=True), ((8, 4),), "normalization"),
-    OpSpec("rms_norm", lambda x: F.rms_norm(x, (16,), _w(x, 16) + 1), (_M,), "normalization"),
-    # -- reductions and range-hungry pointwise math
-    OpSpec("sum", lambda x: x.sum(), (_M,), "reduction"),
-    OpSpec("mean", lambda x: x.mean(), (_M,), "reduction"),
-    OpSpec("prod", lambda x: x.prod(), (_M,), "reduction"),
-    OpSpec("cumsum", lambda x: x.cumsum(0), (_M,), "reduction"),
-    OpSpec("norm", lambda x: x.norm(), (_M,), "reduction"),
-    OpSpec("logsumexp", lambda x: x.logsumexp(-1), (_M,), "reduction"),
-    OpSpec("exp", torch.exp, (_M,), "pointwise"),
-    OpSpec("log", lambda x: torch.log(x.abs() + 1), (_M,), "pointwise"),
-    OpSpec("pow", lambda x: x.pow(2), (_M,), "pointwise"),
-    OpSpec("rsqrt", lambda x: torch.rsqrt(x.abs() + 1), (_M,), "pointwise"),
-    # -- losses
-    OpSpec("mse_loss", F.mse_loss, (_M, _M), "loss"),
-    OpSpec("l1_loss", F.l1_loss, (_M, _M), "loss"),
-    OpSpec("cross_entropy", lambda x: F.cross_entropy(x, _target(x)), (_M,), "loss"),
-    OpSpec("nll_loss", lambda x: F.nll_loss(x, _target(x)), (_M,), "loss"),
-    OpSpec("binary_cross_entropy_with_logits", F.binary_cross_entropy_with_logits, (_M, _M), "loss"),
-    OpSpec("binary_cross_entropy", lambda x, y: F.binary_cross_entropy(torch.sigmoid(x), torch.sigmoid(y)),
-           (_M, _M), "loss"),
-    # -- cheap pointwise ops and layout ops
-    OpSpec("relu", torch.relu, (_M,), "pointwise"),
-    OpSpec("gelu", F.gelu, (_M,), "pointwise"),
-    OpSpec("sigmoid", torch.sigmoid, (_M,), "pointwise"),
-    OpSpec("dropout", lambda x: F.dropout(x, 0.5), (_M,), "pointwise"),
-    OpSpec("add", torch.add, (_M, _M), "pointwise"),
-    OpSpec("mul", torch.mul, (_M, _M), "pointwise"),
-    OpSpec("addcmul", torch.addcmul, (_M, _M, _M), "pointwise"),
-    OpSpec("atan2", torch.atan2, (_M, _M), "pointwise"),
-    OpSpec("cat", lambda a, b: torch.cat([a, b]), (_M, _M), "layout"),
-    OpSpec("stack", lambda a, b: torch.stack([a, b]), (_M, _M), "layout"),
-    OpSpec("index_put", lambda x, v: x.index_put((torch.arange(8, device=x.device),), v), (_M, _M), "layout"),
-    OpSpec("max_pool2d", lambda x: F.max_pool2d(x, 2), ((2, 3, 8, 8),), "layout"),
-    OpSpec("interpolate", lambda x: F.interpolate(x, scale_factor=2), ((2, 3, 8, 8),), "layout"),
-]}
+OPS: dict[str, OpSpec] = {
+    s.name: s
+    for s in [
+        # -- matmul-like: the ops Tensor Cores accelerate
+        OpSpec("matmul", lambda a, b: a @ b.T, (_M, _M), "matmul"),
+        OpSpec("mm", lambda a, b: torch.mm(a, b.T), (_M, _M), "matmul"),
+        OpSpec("linear", lambda x: F.linear(x, _w(x, 4, 16), _w(x, 4)), (_M,), "matmul"),
+        OpSpec("conv2d", lambda x: F.conv2d(x, _w(x, 4, 3, 3, 3)), ((2, 3, 8, 8),), "matmul"),
+        OpSpec("conv1d", lambda x: F.conv1d(x, _w(x, 4, 3, 3)), ((2, 3, 8),), "matmul"),
+        OpSpec("bmm", lambda a, b: torch.bmm(a, b.transpose(1, 2)), ((2, 4, 8), (2, 4, 8)), "matmul"),
+        OpSpec("addmm", lambda c, a, b: torch.addmm(c, a, b.T), ((8, 8), _M, _M), "matmul"),
+        OpSpec(
+            "baddbmm",
+            lambda c, a, b: torch.baddbmm(c, a, b.transpose(1, 2)),
+            ((2, 4, 4), (2, 4, 8), (2, 4, 8)),
+            "matmul",
+        ),
+        OpSpec("einsum", lambda a, b: torch.einsum("ij,kj->ik", a, b), (_M, _M), "matmul"),
+        OpSpec(
+            "scaled_dot_product_attention",
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+            ((1, 2, 4, 8),) * 3,
+            "attention",
+        ),
+        # -- normalizations
+        OpSpec("softmax", lambda x: F.softmax(x, -1), (_M,), "normalization"),
+        OpSpec("log_softmax", lambda x: F.log_softmax(x, -1), (_M,), "normalization"),
+        OpSpec("layer_norm", lambda x: F.layer_norm(x, (16,), _w(x, 16) + 1, _w(x, 16)), (_M,), "normalization"),
+        OpSpec("group_norm", lambda x: F.group_norm(x, 2, _w(x, 4) + 1, _w(x, 4)), ((2, 4, 8),), "normalization"),
+        OpSpec(
+            "batch_norm",
+            lambda x: F.batch_norm(
+                x,
+                torch.zeros(4, device=x.device),
+                torch.ones(4, device=x.device),
+                _w(x, 4) + 1,
+                _w(x, 4),
+                training=True,
+            ),
+            ((8, 4),),
+            "normalization",
+        ),
+        OpSpec("rms_norm", lambda x: F.rms_norm(x, (16,), _w(x, 16) + 1), (_M,), "normalization"),
+        # -- reductions and range-hungry pointwise math
+        OpSpec("sum", lambda x: x.sum(), (_M,), "reduction"),
+        OpSpec("mean", lambda x: x.mean(), (_M,), "reduction"),
+        OpSpec("prod", lambda x: x.prod(), (_M,), "reduction"),
+        OpSpec("cumsum", lambda x: x.cumsum(0), (_M,), "reduction"),
+        OpSpec("norm", lambda x: x.norm(), (_M,), "reduction"),
+        OpSpec("logsumexp", lambda x: x.logsumexp(-1), (_M,), "reduction"),
+        OpSpec("exp", torch.exp, (_M,), "pointwise"),
+        OpSpec("log", lambda x: torch.log(x.abs() + 1), (_M,), "pointwise"),
+        OpSpec("pow", lambda x: x.pow(2), (_M,), "pointwise"),
+        OpSpec("rsqrt", lambda x: torch.rsqrt(x.abs() + 1), (_M,), "pointwise"),
+        # -- losses
+        OpSpec("mse_loss", F.mse_loss, (_M, _M), "loss"),
+        OpSpec("l1_loss", F.l1_loss, (_M, _M), "loss"),
+        OpSpec("cross_entropy", lambda x: F.cross_entropy(x, _target(x)), (_M,), "loss"),
+        OpSpec("nll_loss", lambda x: F.nll_loss(x, _target(x)), (_M,), "loss"),
+        OpSpec("binary_cross_entropy_with_logits", F.binary_cross_entropy_with_logits, (_M, _M), "loss"),
+        OpSpec(
+            "binary_cross_entropy",
+            lambda x, y: F.binary_cross_entropy(torch.sigmoid(x), torch.sigmoid(y)),
+            (_M, _M),
+            "loss",
+        ),
+        # -- cheap pointwise ops and layout ops
+        OpSpec("relu", torch.relu, (_M,), "pointwise"),
+        OpSpec("gelu", F.gelu, (_M,), "pointwise"),
+        OpSpec("sigmoid", torch.sigmoid, (_M,), "pointwise"),
+        OpSpec("dropout", lambda x: F.dropout(x, 0.5), (_M,), "pointwise"),
+        OpSpec("add", torch.add, (_M, _M), "pointwise"),
+        OpSpec("mul", torch.mul, (_M, _M), "pointwise"),
+        OpSpec("addcmul", torch.addcmul, (_M, _M, _M), "pointwise"),
+        OpSpec("atan2", torch.atan2, (_M, _M), "pointwise"),
+        OpSpec("cat", lambda a, b: torch.cat([a, b]), (_M, _M), "layout"),
+        OpSpec("stack", lambda a, b: torch.stack([a, b]), (_M, _M), "layout"),
+        OpSpec("index_put", lambda x, v: x.index_put((torch.arange(8, device=x.device),), v), (_M, _M), "layout"),
+        OpSpec("max_pool2d", lambda x: F.max_pool2d(x, 2), ((2, 3, 8, 8),), "layout"),
+        OpSpec("interpolate", lambda x: F.interpolate(x, scale_factor=2), ((2, 3, 8, 8),), "layout"),
+    ]
+}
 
 
 # --------------------------------------------------------------------------- running ops under autocast
-
-@dataclass(frozen=True)
-class TraceEntry:
-    """One ATen op as it reached the kernels: after autocast's casts."""
-    op: str
-    in_dtypes: tuple[torch.dtype, ...]
-    out_dtype: torch.dtype | None
-
-    def __str__(self) -> str:
-        return f"{self.op}({', '.join(map(short, self.in_dtypes))}) -> {short(self.out_dtype)}"
-
-
-class _Recorder(TorchDispatchMode):
-    # A dispatch mode sits *below* the Autocast dispatch key, so it sees exactly what
-    # autocast hands on: its inserted `_to_copy` casts and the op with cast inputs.
-    def __init__(self) -> None:
-        super().__init__()
-        self.entries: list[TraceEntry] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        ins = tuple(t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-        outs = [t.dtype for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        self.entries.append(TraceEntry(str(func.overloadpacket.__name__), ins, outs[0] if outs else None))
-        return out
-
-
-def dispatch_trace(fn: Callable[[], object], hide: Sequence[str] = ("detach", "alias")) -> list[TraceEntry]:
-    """Chapter 02: the ATen ops `fn` runs, with the dtypes they really receive.
-
-    Call it inside an autocast region to see the casts autocast inserts (`_to_copy`).
-    `hide` drops autograd's bookkeeping ops (outputs saved for backward are detached).
-    """
-    with _Recorder() as rec:
-        fn()
-    return [e for e in rec.entries if e.op not in hide]
-
-
-def casts(trace: Sequence[TraceEntry]) -> Counter:
-    """Chapter 02: how many dtype casts of each kind (e.g. ('fp32', 'bf16')) a trace contains."""
-    return Counter((short(e.in_dtypes[0]), short(e.out_dtype)) for e in trace
-                   if e.op in ("_to_copy", "to") and e.in_dtypes and e.out_dtype != e.in_dtypes[0])
-
-
-def backward_pairs(forward: Sequence[TraceEntry],
-                   backward: Sequence[TraceEntry]) -> list[tuple[TraceEntry, TraceEntry]]:
-    """Chapter 02: (forward op, its backward op) for every backward op named after a forward op.
-
-    ATen names most derivative ops `<op>_backward...` (`mse_loss_backward`,
-    `_softmax_backward_data`); a matmul's backward is plain `mm`s and is not paired here.
-    """
-    by_name = {e.op: e for e in forward}
-    return [(by_name[b.op.split("_backward")[0]], b) for b in backward
-            if "_backward" in b.op and b.op.split("_backward")[0] in by_name]
 
 
 @contextlib.contextmanager
@@ -225,24 +197,34 @@ def _autocast(device: str, dtype: torch.dtype, enabled: bool, fake: bool) -> con
 
 def _inputs(spec: OpSpec, device: str, dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
     # Positive, moderate values: log/rsqrt/prod behave, nothing overflows in fp16.
-    return [torch.linspace(0.1, 1.0 + 0.1 * i, math.prod(shape), device=device).reshape(shape).to(dt)
-            for i, (shape, dt) in enumerate(zip(spec.shapes, dtypes))]
+    return [
+        torch.linspace(0.1, 1.0 + 0.1 * i, math.prod(shape), device=device).reshape(shape).to(dt)
+        for i, (shape, dt) in enumerate(zip(spec.shapes, dtypes))
+    ]
 
 
 @dataclass(frozen=True)
 class Outcome:
     """What one call did: the output dtype (or the error) and the casts made."""
+
     out_dtype: torch.dtype | None
     error: str | None
     casts: Counter
 
 
-def run_op(spec: OpSpec, device: str, dtype: torch.dtype, in_dtypes: Sequence[torch.dtype],
-           autocast: bool = True, fake: bool = False) -> Outcome:
+def run_op(
+    spec: OpSpec,
+    device: str,
+    dtype: torch.dtype,
+    in_dtypes: Sequence[torch.dtype],
+    autocast: bool = True,
+    fake: bool = False,
+) -> Outcome:
     """Run `spec` once on inputs of `in_dtypes`, with or without autocast."""
     mode = contextlib.nullcontext()
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
+
         mode = FakeTensorMode()
     with mode:
         xs = _inputs(spec, device, in_dtypes)
@@ -262,22 +244,30 @@ def run_op(spec: OpSpec, device: str, dtype: torch.dtype, in_dtypes: Sequence[to
 @dataclass(frozen=True)
 class PolicyRow:
     """Chapter 02: what autocast did to one op, for fp32, low-precision and mixed inputs."""
+
     op: str
     group: str
     device: str
-    dtype: torch.dtype               # the autocast (low-precision) dtype
-    from_fp32: torch.dtype | None    # output dtype when every input is fp32
-    from_low: torch.dtype | None     # ... when every input is `dtype`
-    from_mixed: torch.dtype | None   # ... when the first input is `dtype`, the others fp32 (None: one input only)
-    policy: str                      # one of POLICIES
+    dtype: torch.dtype  # the autocast (low-precision) dtype
+    from_fp32: torch.dtype | None  # output dtype when every input is fp32
+    from_low: torch.dtype | None  # ... when every input is `dtype`
+    from_mixed: torch.dtype | None  # ... when the first input is `dtype`, the others fp32 (None: one input only)
+    policy: str  # one of POLICIES
     note: str = ""
 
     def as_dict(self) -> dict:
         """A JSON-friendly record (dtypes as 'fp32' / 'bf16' / 'fp16', '-' for an error)."""
-        return {"op": self.op, "group": self.group, "device": self.device, "dtype": short(self.dtype),
-                "from_fp32": short(self.from_fp32), "from_low": short(self.from_low),
-                "from_mixed": short(self.from_mixed) if self.n_inputs > 1 else "",
-                "policy": self.policy, "note": self.note}
+        return {
+            "op": self.op,
+            "group": self.group,
+            "device": self.device,
+            "dtype": short(self.dtype),
+            "from_fp32": short(self.from_fp32),
+            "from_low": short(self.from_low),
+            "from_mixed": short(self.from_mixed) if self.n_inputs > 1 else "",
+            "policy": self.policy,
+            "note": self.note,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "PolicyRow":
@@ -296,8 +286,15 @@ def _classify(spec: OpSpec, device: str, dtype: torch.dtype, fake: bool) -> Poli
     f32, low = [torch.float32] * n, [dtype] * n
     a32, alow = run_op(spec, device, dtype, f32, True, fake), run_op(spec, device, dtype, low, True, fake)
     amix = run_op(spec, device, dtype, [dtype] + [torch.float32] * (n - 1), True, fake) if n > 1 else None
-    row = dict(op=spec.name, group=spec.group, device=device, dtype=dtype, from_fp32=a32.out_dtype,
-               from_low=alow.out_dtype, from_mixed=amix.out_dtype if amix else None)
+    row = dict(
+        op=spec.name,
+        group=spec.group,
+        device=device,
+        dtype=dtype,
+        from_fp32=a32.out_dtype,
+        from_low=alow.out_dtype,
+        from_mixed=amix.out_dtype if amix else None,
+    )
     if a32.error:
         plain = run_op(spec, device, dtype, f32, False, fake)
         if plain.error is None:
@@ -312,8 +309,11 @@ def _classify(spec: OpSpec, device: str, dtype: torch.dtype, fake: bool) -> Poli
         up = (short(dtype), "fp32")
         if amix.error is None and (pmix.error is not None or amix.casts[up] > pmix.casts[up]):
             return PolicyRow(**row, policy="promote", note="autocast casts low input up")
-        note = ("mixed inputs raise " + amix.error) if amix.error else (
-            "mixed: ordinary promotion" if amix.out_dtype == torch.float32 else "")
+        note = (
+            ("mixed inputs raise " + amix.error)
+            if amix.error
+            else ("mixed: ordinary promotion" if amix.out_dtype == torch.float32 else "")
+        )
         return PolicyRow(**row, policy="unchanged", note=note)
     return PolicyRow(**row, policy="unchanged")
 
@@ -327,8 +327,9 @@ def fake_cuda_available() -> bool:
         return False
 
 
-def probe_policy(device: str = "cpu", dtype: torch.dtype | None = None, ops: Sequence[str] | None = None,
-                 fake: bool = False) -> list[PolicyRow]:
+def probe_policy(
+    device: str = "cpu", dtype: torch.dtype | None = None, ops: Sequence[str] | None = None, fake: bool = False
+) -> list[PolicyRow]:
     """Chapter 02: classify every op in OPS (or `ops`) under autocast(device, dtype).
 
     dtype defaults to torch.get_autocast_dtype(device): bf16 on CPU, fp16 on CUDA.
@@ -388,34 +389,32 @@ def format_by_policy(rows: Sequence[PolicyRow], width: int = WIDTH) -> str:
     return "\n".join(out)
 
 
-def output_dtype(op: str, device: str, dtype: torch.dtype, in_dtypes: Sequence[torch.dtype],
-                 fake: bool = False) -> torch.dtype | None:
+def output_dtype(
+    op: str, device: str, dtype: torch.dtype, in_dtypes: Sequence[torch.dtype], fake: bool = False
+) -> torch.dtype | None:
     """The output dtype of OPS[op] under autocast(device, dtype) for inputs of
     `in_dtypes` (None if it raises). The live answer exercise 02.1 is checked against."""
     return run_op(OPS[op], device, dtype, in_dtypes, True, fake).out_dtype
 
 
-def registered_ops(device: str = "cpu") -> list[str]:
-    """Chapter 02: every ATen op with an autocast kernel for `device` in this torch build.
-
-    These are the ops autocast can change; every other op falls through and runs in its
-    inputs' dtype. (Which way each one casts needs a probe: see probe_policy.)
-    """
-    key = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "xpu": "AutocastXPU", "mps": "AutocastMPS"}[device]
-    return sorted(r.removeprefix("aten::") for r in torch._C._dispatch_get_registrations_for_dispatch_key(key))
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m course_lib.chapters.autocast_policy",
-                                description="probe the autocast op policy of the installed torch on this machine")
+    p = argparse.ArgumentParser(
+        prog="python -m course_lib.chapters.autocast_policy",
+        description="probe the autocast op policy of the installed torch on this machine",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--fake", action="store_true", help="probe CUDA with FakeTensors (no GPU needed)")
     p.add_argument("--json", help="also write the tables with provenance (data/reference/autocast_policy_<gpu>.json)")
     args = p.parse_args(argv)
     probes = {short(dt): probe_policy(args.device, dt, fake=args.fake) for dt in (torch.float16, torch.bfloat16)}
     command = "python -m course_lib.chapters.autocast_policy " + " ".join(argv if argv is not None else sys.argv[1:])
-    record(command, "\n\n".join(format_policy(rows) for rows in probes.values()), args.json, fake=args.fake,
-           policy={k: [r.as_dict() for r in rows] for k, rows in probes.items()})
+    record(
+        command,
+        "\n\n".join(format_policy(rows) for rows in probes.values()),
+        args.json,
+        fake=args.fake,
+        policy={k: [r.as_dict() for r in rows] for k, rows in probes.items()},
+    )
     return 0
 
 

@@ -23,12 +23,12 @@ import textwrap
 
 import torch
 
-from ..data import synthetic_batches
-from ..device import cpu_bf16_flags, cuda_capability, has_native_bf16, pick_device, recommend_precision, tf32
+from ..device import cpu_bf16_flags, cuda_capability, has_native_bf16, pick_device, recommend_precision
 from ..models import build_model
 from ..reference import record
 from ..timing import Timing, compare, peak_memory_bytes, time_fn
 from ..train import TrainConfig, Trainer
+from .matmul import tf32
 
 __all__ = ["draw_amp_step", "mixed_precision_for", "compare_runs", "precision_table", "format_table", "read_table"]
 
@@ -112,6 +112,32 @@ def _rows_spec(dev: torch.device, model: str) -> list[tuple[str, str, bool, bool
     if dev.type == "cuda" and convnet:  # NHWC is its own rung: it speeds up Tensor Core convolutions
         rows.append((f"AMP {amp} + channels_last", amp, False, True, ""))
     return rows
+
+
+def synthetic_batches(
+    n_batches: int,
+    batch_size: int,
+    shape=(3, 32, 32),
+    num_classes: int = 10,
+    device="cpu",
+    dtype=torch.float32,
+    seed: int = 0,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random (x, y) batches made directly on `device`, for throughput measurements.
+
+    No PIL and no host-to-device copies (torchvision's FakeData tops out near 1.5k img/s on a
+    CPU), so the numbers measure the model, not the input pipeline. Cycle a few batches for long
+    runs: each batch costs memory (3x224x224 fp32 x 256 is ~150 MB).
+    """
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    return [
+        (
+            torch.randn(batch_size, *shape, generator=g, device=device, dtype=dtype),
+            torch.randint(0, num_classes, (batch_size,), generator=g, device=device),
+        )
+        for _ in range(n_batches)
+    ]
 
 
 def step_row(

@@ -3,7 +3,7 @@
     python -m torch.distributed.run --standalone --nproc-per-node 2 \\
         -m course_lib.chapters.ddp_worker /tmp/ddp-out [--epochs 2 --fsdp ...]
 
-course_lib.chapters.distributed.launch starts it (from a notebook or its CLI); the command above
+course_lib.chapters.ddp_launch.launch starts it (from a notebook or its CLI); the command above
 starts it from a shell, and with torchrun's rendezvous flags the same file runs on many machines.
 torchrun hands every process RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its
 environment; this file reads them and never makes them up.
@@ -52,9 +52,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
-from ..data import load_dataset, synthetic_batches
+from ..data import load_dataset
 from ..models import MLP
 from ..train import AMP_DTYPES, TrainConfig, Trainer, amp_step
+from .bench import synthetic_batches
 
 __all__: list[str] = []  # a program, run by torchrun; nothing here is imported by name
 

@@ -5,15 +5,15 @@ Chapter 05 introduces it, chapter 09 completes it: `print(diagnose(train, model,
 `optimizer` may be tuples. It runs on deep copies, with the scaler's and optimizers' methods,
 `torch.autograd.backward` and `grad`, clipping and BCE wrapped and the forwards hooked, and records each call
 with the autocast state (backward: clean gradients? after a penalty's autograd.grad, were its scaled gradients
-divided by the scale? step: the gradients, the scale). What it says is doctor_catalog.py. With
-`accum_steps > 1`, one model and `loss_fn`, a plain fp32 loop recomputes each step's gradient on the same batches.
+divided by the scale? step: the gradients, the scale): the Recorder of doctor_recorder.py. What it says is
+doctor_catalog.py. With `accum_steps > 1`, one model and `loss_fn`, a plain fp32 loop recomputes each step's
+gradient on the same batches.
 """
+
 from __future__ import annotations
 
 import copy
-import functools
 import itertools
-import types
 import warnings
 from typing import Callable, Sequence
 
@@ -21,235 +21,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .doctor_catalog import PROBLEMS, SEEN, Event, Finding, Report, findings, summary
+from .doctor_catalog import PROBLEMS, SEEN, Finding, Report, findings, summary
+from .doctor_recorder import Recorder, _rng_state, _set_rng_state
 
 __all__ = ["Finding", "Report", "diagnose", "PROBLEMS"]
-
-
-class Recorder:
-    """Records a training loop's calls as Events, patching torch functions until exit (not thread-safe).
-    `snapshots=True` also keeps each step's gradients and parameters and each forward's input."""
-
-    def __init__(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-                 scaler: torch.amp.GradScaler | None, fn: Callable | None = None, snapshots: bool = False):
-        self.models, self.opts, self.scaler, self.fn = list(models), list(optimizers), scaler, fn
-        self.snapshots, self.in_scaler_step = snapshots, False
-        self.device_type = next((p.device.type for m in self.models for p in m.parameters()), "cpu")
-        # every call seen; grad_fn (or tensor) of each scaler.scale() output; (input, RNG state) of each forward;
-        # grad_fn id -> (grad_fn, scale) of each scaled gradient autograd.grad returned, until the next backward
-        self.events, self.scaled, self.forwards, self.pending = [], [], [], {}
-        self.window_start = [0] * len(self.opts)  # forwards seen when each optimizer's current window began
-        self._undo: list[Callable[[], None]] = []
-        self.warnings, self.error = [], None  # what the loop warned and raised (diagnose fills them in)
-
-    def autocast_on(self) -> bool:
-        return torch.is_autocast_enabled(self.device_type)
-
-    def params(self, i: int) -> list[torch.Tensor]:
-        return [p for g in self.opts[i].param_groups for p in g["params"]]
-
-    def which(self, optimizer: object) -> int | None:
-        return next((i for i, o in enumerate(self.opts) if o is optimizer), None)
-
-    def clean(self, i: int) -> bool:
-        return all(p.grad is None or not p.grad.any() for p in self.params(i))
-
-    def _is_scaled(self, t: torch.Tensor) -> bool:
-        ids, todo = {id(s) for s in self.scaled}, [t.grad_fn or t]
-        for _ in range(300):  # the scaled node sits near the root: a short search suffices
-            if not todo:
-                return False
-            node = todo.pop(0)
-            if id(node) in ids:
-                return True
-            todo += [n for n, _ in getattr(node, "next_functions", ()) if n is not None]
-        return False
-
-    def _set(self, owner: object, name: str, new: Callable) -> None:
-        if isinstance(owner, type):  # a class (the schedulers' base): patched for every instance
-            had, old = name in vars(owner), vars(owner).get(name)
-            setattr(owner, name, new)
-            self._undo.append(lambda: setattr(owner, name, old) if had else delattr(owner, name))
-            return
-        space = owner if isinstance(owner, dict) else vars(owner)  # a module's or an object's own namespace
-        had, old = name in space, space.get(name)
-        space[name] = new
-        self._undo.append(lambda: space.__setitem__(name, old) if had else space.pop(name))
-
-    def _wrap(self, owner: object, name: str, before: Callable) -> Callable:
-        old = getattr(owner, name)
-
-        @functools.wraps(old)
-        def wrapper(*args, **kwargs):
-            out = before(*args, **kwargs)
-            return old(*args, **kwargs) if out is None else out(old)
-        if getattr(old, "__self__", None) is owner and not isinstance(owner, type):  # a method stays bound:
-            self._set(owner, name, types.MethodType(lambda _, *a, **k: wrapper(*a, **k), owner))  # LR schedulers
-            return wrapper  # read optimizer.step.__func__
-        self._set(owner, name, wrapper)
-        return wrapper
-
-    def __enter__(self) -> Recorder:
-        for i, opt in enumerate(self.opts):
-            self._wrap(opt, "step", functools.partial(self._on_step, i))
-            self._wrap(opt, "zero_grad", lambda *a, i=i, **k: self.events.append(Event("zero_grad", i)))
-        for i, m in enumerate(self.models):
-            h = m.register_forward_pre_hook(functools.partial(self._on_forward, i))
-            self._undo.append(h.remove)
-        s = self.scaler
-        if s is not None:
-            self._wrap(s, "scale", self._on_scale)
-            self._wrap(s, "unscale_", lambda optimizer: self.events.append(Event(  # in_step: step's own call
-                "unscale_", self.which(optimizer), info={"in_step": self.in_scaler_step})))
-            self._wrap(s, "step", self._on_scaler_step)
-            self._wrap(s, "update", self._on_update)
-        self._wrap(torch.autograd, "backward", self._on_backward)
-        self._wrap(torch.optim.lr_scheduler.LRScheduler, "step", lambda sched, *a, **k: None if not getattr(
-            sched, "_step_count", 1) else self.events.append(Event("sched", self.which(sched.optimizer))))  # 0: init
-        self._wrap(torch, "save", lambda obj, *a, **k: self.events.append(Event("save", info={
-            "checkpoint": _has_keys(obj, {"param_groups"}), "scaler": _has_keys(obj, {"scale", "_growth_tracker"})})))
-        replaced = [(getattr(owner, name), self._wrap(owner, name, functools.partial(self._on_call, name)))
-                    for owner, name in ((nn.utils, "clip_grad_norm_"), (nn.utils, "clip_grad_value_"),
-                                        (F, "binary_cross_entropy"), (torch.autograd, "grad"))]
-        # the same functions under other names: in nn.utils.clip_grad, and `from ... import` in the loop's module
-        fn = self.fn
-        while isinstance(fn, functools.partial):
-            fn = fn.func
-        spaces = [vars(nn.utils.clip_grad)] if hasattr(nn.utils, "clip_grad") else []
-        spaces += [g] if (g := getattr(getattr(fn, "__func__", fn), "__globals__", None)) is not None else []
-        for space in spaces:
-            for key, new in [(key, w) for key, value in space.items() for o, w in replaced if value is o]:
-                self._set(space, key, new)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for undo in reversed(self._undo):
-            undo()
-
-    def _on_step(self, i: int, *args, **kwargs) -> None:
-        info: dict = {"via_scaler": self.in_scaler_step, "forwards": len(self.forwards), "start": self.window_start[i]}
-        if not self.in_scaler_step:
-            self.window_start[i] = len(self.forwards)
-        if self.snapshots:  # model 0's parameters and gradients, in the model's order
-            info["grads"] = [None if p.grad is None else p.grad.detach().clone() for p in self.models[0].parameters()]
-            info["params"] = [p.detach().clone() for p in self.models[0].parameters()]
-        self.events.append(Event("step", i, self.autocast_on(), info))
-
-    def _on_forward(self, i: int, module: nn.Module, args: tuple) -> None:
-        on = self.autocast_on()
-        dtype = torch.get_autocast_dtype(self.device_type) if on else None
-        self.events.append(Event("forward", i, on, {"dtype": dtype}))
-        x = args[0] if args and isinstance(args[0], torch.Tensor) and self.snapshots else None
-        self.forwards.append((None if x is None else x.detach().clone(), _rng_state()))
-
-    def _on_scale(self, outputs, *a, **k) -> Callable:
-        def run(old: Callable):
-            out = old(outputs, *a, **k)
-            self.scaled += [t.grad_fn or t for t in _tensors(out)]
-            return out
-        return run
-
-    def _on_scaler_step(self, optimizer, *a, **k) -> Callable:
-        i = self.which(optimizer)
-        self.events.append(Event("scaler.step", i, self.autocast_on(), {
-            "empty": i is not None and self.clean(i), "scale": self.scaler.get_scale()}))
-        event, seen = self.events[-1], len(self.events)
-
-        def run(old: Callable):
-            self.in_scaler_step = True
-            try:
-                return old(optimizer, *a, **k)
-            finally:
-                self.in_scaler_step = False
-                event.info["skipped"] = not any(e.kind == "step" for e in self.events[seen:])
-                if i is not None:
-                    self.window_start[i] = len(self.forwards)
-        return run
-
-    def _on_update(self, *a, **k) -> None:
-        self.events.append(Event("update", None, self.autocast_on()))
-        self.scaled.clear()  # every backward of the iteration is done: let its graphs go
-
-    def _on_backward(self, tensors, *a, **k) -> None:
-        roots = _tensors(tensors)
-        info = {"clean": [self.clean(i) for i in range(len(self.opts))], "scaled": all(map(self._is_scaled, roots)),
-                "finite": all(bool(torch.isfinite(t.detach()).all()) for t in roots)}
-        if self.pending:  # after a gradient penalty's autograd.grad: were its scaled gradients unscaled by hand?
-            info["penalty_unscaled"], self.pending = _divided_by_scale(roots, self.pending), {}
-        self.events.append(Event("backward", None, self.autocast_on(), info))
-
-    def _on_grad(self, *args, **kwargs) -> Callable:
-        outputs = _tensors(args[0] if args else kwargs.get("outputs"))
-        scaled = bool(outputs) and all(map(self._is_scaled, outputs))
-        self.events.append(Event("grad", None, self.autocast_on(), {
-            "scaled": scaled, "finite": all(bool(torch.isfinite(t.detach()).all()) for t in outputs)}))
-        scale = self.scaler.get_scale() if scaled and self.scaler is not None and self.scaler.is_enabled() else None
-
-        def run(old: Callable):
-            grads = old(*args, **kwargs)
-            if scale:  # the next backward tells where these scaled gradients went (_on_backward)
-                self.pending.update({id(g.grad_fn): (g.grad_fn, scale) for g in _tensors(grads) if g.grad_fn})
-            return grads
-        return run
-
-    def _on_call(self, name: str, *args, **kwargs) -> Callable | None:
-        if name == "grad":
-            return self._on_grad(*args, **kwargs)
-        if name == "binary_cross_entropy":  # returns None: the call goes on as it was
-            return self.events.append(Event("bce", None, self.autocast_on()))
-        params = args[0] if args else kwargs.pop("parameters")
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        owners = sorted({i for i in range(len(self.opts)) for p in params if any(p is q for q in self.params(i))})
-        self.events.append(Event("clip", None, self.autocast_on(), {
-            "owners": owners, "kind": name, "args": args[1:], "kwargs": dict(kwargs), "forwards": len(self.forwards)}))
-        return lambda old: old(params, *args[1:], **kwargs)
-
-
-def _rng_state() -> tuple[torch.Tensor, list | None]:
-    return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-
-
-def _set_rng_state(state: tuple[torch.Tensor, list | None]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:  # dropout on CUDA draws from the CUDA generators
-        torch.cuda.set_rng_state_all(state[1])
-
-
-def _has_keys(x: object, keys: set[str], depth: int = 4) -> bool:
-    """Is there a dict holding all of `keys` in x (dicts and lists, a few levels deep)?"""
-    if isinstance(x, dict):
-        return keys <= set(x) or (depth > 0 and any(_has_keys(v, keys, depth - 1) for v in x.values()))
-    return isinstance(x, (list, tuple)) and depth > 0 and any(_has_keys(v, keys, depth - 1) for v in x)
-
-
-def _divided_by_scale(roots: list[torch.Tensor], pending: dict[int, tuple]) -> bool:
-    """In the graph of `roots` (chapter 05), is each of autograd.grad's scaled gradients (`pending`) used only
-    multiplied by 1 / scale (or divided by the scale), as the AMP examples page's gradient penalty does?"""
-    todo, seen = [t.grad_fn for t in roots if t.grad_fn is not None], set()
-    while todo and len(seen) < 100_000:
-        if id(node := todo.pop()) not in seen:
-            seen.add(id(node))
-            nxt = [n for n, _ in node.next_functions if n is not None]
-            if any(id(n) in pending and not _times(node, 1 / pending[id(n)][1]) for n in nxt):
-                return False
-            todo += nxt
-    return True
-
-
-def _times(node: object, factor: float) -> bool:
-    """Is the autograd node a multiplication by the constant `factor`, or a division by 1 / factor?"""
-    name, other = type(node).__name__, getattr(node, "_saved_other", None)
-    ok = name.startswith(("MulBackward", "DivBackward")) and all(n is None for n, _ in node.next_functions[1:])
-    try:  # `other`: one number, a Python one or a tensor of one element
-        return ok and abs((float(other) if name[0] == "M" else 1 / float(other)) / factor - 1) < 1e-3
-    except (TypeError, ValueError, RuntimeError, ZeroDivisionError):
-        return False
-
-
-def _tensors(x: object) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    return [t for item in (x or ()) for t in _tensors(item)] if isinstance(x, (list, tuple)) else []
 
 
 def _adder(found: dict[str, str]) -> Callable:
@@ -270,7 +45,8 @@ def _analyse(rec: Recorder, enabled: bool, accum: int, notes: list[str]) -> dict
         "not_scaled": (enabled and sum(not e.info["scaled"] for e in backs), len(backs)),
         "empty_step": (sum(e.info["empty"] for e in kind("scaler.step")), 0),
         "penalty_from_scaled_grads": (enabled and sum(e.info.get("penalty_unscaled") is False for e in backs), 0),
-        "penalty_from_unscaled_loss": (enabled and sum(not e.info["scaled"] for e in grads), len(grads))}
+        "penalty_from_unscaled_loss": (enabled and sum(not e.info["scaled"] for e in grads), len(grads)),
+    }
     for code, (n, of) in counts.items():
         if n:
             add(code, n=n, of=of)
@@ -307,8 +83,13 @@ def _analyse(rec: Recorder, enabled: bool, accum: int, notes: list[str]) -> dict
         elif e.kind == "clip" and enabled and (bad := [i for i in e.info["owners"] if i not in unscaled]):
             add("clip_before_unscale", clip=e.info["kind"], i=bad[0], which="that" if updates else "the first")
         i = e.index
-        if enabled and e.kind in ("unscale_", "scaler.step") and i is not None and pending[i] is not None \
-                and not e.info.get("in_step"):  # a forward since its scaler.step() (no update): a new iteration
+        if (
+            enabled
+            and e.kind in ("unscale_", "scaler.step")
+            and i is not None
+            and pending[i] is not None
+            and not e.info.get("in_step")
+        ):  # a forward since its scaler.step() (no update): a new iteration
             add("missing_update" if pending[i] else "unscale_after_step", call=e.kind.removeprefix("scaler."), i=i)
         if e.kind in ("unscale_", "scaler.step") and i is not None and i not in unscaled:
             if enabled and zeroed[i] and start[i] < updates:  # scaled before an update, unscaled after it
@@ -331,12 +112,21 @@ def _analyse_chapter_09(rec: Recorder, enabled: bool, found: dict[str, str], not
     """The mistakes chapter 09 adds: an inf/NaN loss, a collapsing scale, the scheduler before the step or on
     skipped steps, a scaler beside bf16, deprecated spellings, checkpoints without the scaler. Inf losses and
     skips after a step with scaled gradients (a direct step, a penalty) are said with that mistake."""
-    ev, add, low = rec.events, _adder(found), 2.0 ** 8  # at 256 only gradients above 256 overflow fp16's 65504
-    cut = next((k for k, e in enumerate(ev) if enabled and (e.kind == "step" and not e.info["via_scaler"] or
-                                                            e.info.get("penalty_unscaled") is False)), len(ev))
+    ev, add, low = rec.events, _adder(found), 2.0**8  # at 256 only gradients above 256 overflow fp16's 65504
+    cut = next(
+        (
+            k
+            for k, e in enumerate(ev)
+            if enabled and (e.kind == "step" and not e.info["via_scaler"] or e.info.get("penalty_unscaled") is False)
+        ),
+        len(ev),
+    )
     cause = None if cut == len(ev) else "step_without_scaler" if ev[cut].kind == "step" else "penalty_from_scaled_grads"
-    roots = [(k, e) for k, e in enumerate(ev) if e.kind == "grad" or e.kind == "backward" and
-             "penalty_unscaled" not in e.info]  # a penalty's total is judged by the loss autograd.grad saw
+    roots = [
+        (k, e)
+        for k, e in enumerate(ev)
+        if e.kind == "grad" or e.kind == "backward" and "penalty_unscaled" not in e.info
+    ]  # a penalty's total is judged by the loss autograd.grad saw
     if n := sum(not e.info["finite"] for k, e in roots if k < cut):
         add("nonfinite_loss", n=n, of=len(roots))
     if cause and (n := sum(not e.info["finite"] for k, e in roots if k > cut)):
@@ -352,6 +142,7 @@ def _analyse_chapter_09(rec: Recorder, enabled: bool, found: dict[str, str], not
 
     def forward(a: int, b: int) -> bool:  # a forward pass among events a..b-1
         return any(ev[j].kind == "forward" for j in range(a, b))
+
     before = on_skipped = 0
     for k, e in ((k, e) for k, e in enumerate(ev) if e.kind == "sched"):  # which step is each scheduler step's?
         mine = [j for j in bounds if e.index is None or ev[j].index == e.index]
@@ -380,9 +171,14 @@ def _grad_check(rec: Recorder, model: nn.Module, batches: list, loss_fn: Callabl
     for e in (e for e in rec.events if e.kind == "step" and e.index == 0):
         lo, hi = e.info["start"], e.info["forwards"]
         xs = [rec.forwards[j][0] for j in range(lo, hi)]
-        if not xs or hi > len(batches) or any(x is None or x.shape != batches[j][0].shape
-                                             or not torch.equal(x.cpu(), batches[j][0].cpu())
-                                             for j, x in zip(range(lo, hi), xs)):
+        if (
+            not xs
+            or hi > len(batches)
+            or any(
+                x is None or x.shape != batches[j][0].shape or not torch.equal(x.cpu(), batches[j][0].cpu())
+                for j, x in zip(range(lo, hi), xs)
+            )
+        ):
             return found, "gradient check skipped: the forwards did not see the batches in their order"
         with torch.no_grad():
             for p, q in zip(ref.parameters(), e.info["params"]):
@@ -392,7 +188,7 @@ def _grad_check(rec: Recorder, model: nn.Module, batches: list, loss_fn: Callabl
         for j, x in zip(range(lo, hi), xs):
             _set_rng_state(rec.forwards[j][1])  # the same dropout masks as the loop's forward
             (loss_fn(ref(x), batches[j][1].to(x.device)) * len(batches[j][1]) / samples).backward()
-        clip = [c for c in rec.events[:rec.events.index(e)] if c.kind == "clip" and c.info["forwards"] == hi]
+        clip = [c for c in rec.events[: rec.events.index(e)] if c.kind == "clip" and c.info["forwards"] == hi]
         for c in clip[-1:]:  # clipped as the loop clipped
             getattr(nn.utils, c.info["kind"])(ref.parameters(), *c.info["args"], **c.info["kwargs"])
         pairs = [(g, p.grad) for g, p in zip(e.info["grads"], ref.parameters()) if p.grad is not None]
@@ -404,14 +200,24 @@ def _grad_check(rec: Recorder, model: nn.Module, batches: list, loss_fn: Callabl
         worst, n = max(worst, ((user - want).norm() / want.norm()).item()), n + 1
         if hi - lo > 1 and cos > 0.95 and abs(ratio - 1) > 0.15:  # the right direction, the wrong size
             _adder(found)("loss_not_divided", ratio=ratio, n=hi - lo, by=(hi - lo) / ratio)
-    return found, (f"gradient check: {n} optimizer steps compared with a plain fp32 loop on the same batches; "
-                   f"largest relative difference {worst:.1%}" if n else "gradient check: no optimizer step to compare")
+    return found, (
+        f"gradient check: {n} optimizer steps compared with a plain fp32 loop on the same batches; "
+        f"largest relative difference {worst:.1%}"
+        if n
+        else "gradient check: no optimizer step to compare"
+    )
 
 
-def diagnose(train: Callable, model: nn.Module | Sequence[nn.Module],
-             optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-             scaler: torch.amp.GradScaler | None, batches: Sequence, *, loss_fn: Callable | None = None,
-             accum_steps: int = 1) -> Report:
+def diagnose(
+    train: Callable,
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    scaler: torch.amp.GradScaler | None,
+    batches: Sequence,
+    *,
+    loss_fn: Callable | None = None,
+    accum_steps: int = 1,
+) -> Report:
     """Chapter 05: run `train(model, optimizer, scaler, batches)` on copies, watch it, report the classic mistakes.
 
     `accum_steps`: the micro-batches per optimizer step your loop means to accumulate. With
@@ -427,14 +233,24 @@ def diagnose(train: Callable, model: nn.Module | Sequence[nn.Module],
     check = accum_steps > 1 and loss_fn is not None and len(models) == 1 and len(opts) == 1
     rec = Recorder(models_c, opts_c, scaler_c, train, snapshots=check)
     enabled = scaler_c is not None and scaler_c.is_enabled()
-    low = sorted({str(p.dtype).removeprefix("torch.") for m in models for p in m.parameters()
-                  if p.dtype in (torch.float16, torch.bfloat16)})
+    low = sorted(
+        {
+            str(p.dtype).removeprefix("torch.")
+            for m in models
+            for p in m.parameters()
+            if p.dtype in (torch.float16, torch.bfloat16)
+        }
+    )
     found = {"fp16_params": SEEN["fp16_params"].format(dtypes=", ".join(low))} if low else {}
     try:
         with rec, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            train(tuple(models_c) if many_models else models_c[0], tuple(opts_c) if many_opts else opts_c[0],
-                  scaler_c, batches)
+            train(
+                tuple(models_c) if many_models else models_c[0],
+                tuple(opts_c) if many_opts else opts_c[0],
+                scaler_c,
+                batches,
+            )
     except Exception as e:  # the loop's own error is part of the diagnosis
         error = e
     rec.warnings, rec.error = [str(w.message) for w in caught], error
@@ -444,6 +260,11 @@ def diagnose(train: Callable, model: nn.Module | Sequence[nn.Module],
         grads, note = _grad_check(rec, models[0], batches, loss_fn)
         found, notes = {**grads, **found}, [note, *notes]
     _set_rng_state(rng)
-    scales = (scaler.get_scale(), scaler_c.get_scale()) if enabled else "no GradScaler" if scaler_c is None else \
-        "GradScaler disabled"
+    scales = (
+        (scaler.get_scale(), scaler_c.get_scale())
+        if enabled
+        else "no GradScaler"
+        if scaler_c is None
+        else "GradScaler disabled"
+    )
     return Report(findings(found, error), summary(rec.events, len(batches), scales), rec.events, notes)

@@ -2,7 +2,7 @@
 
 Chapter 05 introduces the doctor (`course_lib.chapters.doctor`); chapter 09 completes it. This
 module is text and the shapes that hold it (Event, Finding, Report, the summary line): the rules
-that find each mistake live in doctor.py, beside the recorder.
+that find each mistake live in doctor.py, the recorder that sees the calls in doctor_recorder.py.
 """
 
 from __future__ import annotations

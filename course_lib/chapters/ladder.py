@@ -10,147 +10,41 @@ course's Trainer). On a GPU the other workloads are full size: ResNet-50 on synt
 images, GPT-2 small (124M parameters) on 1,024-token sequences. On a CPU the same code runs at toy size to show that it
 works; nothing sized for a GPU runs there. Ratios between rungs are the result: they come from
 one process, one machine, minutes apart, and each timing carries its spread.
+
+What a rung is (`Rung`, `climb`), the course's own ladder and the rows' table and reading
+(`format_rows`, `read_rungs`) are in course_lib.chapters.rungs; here are the full-size workloads
+and the command line that records every ladder.
 """
+
 from __future__ import annotations
 
 import argparse
 import gc
 import sys
-import time
-from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..data import load_dataset, make_loader
-from ..device import cuda_capability, has_native_bf16, peak_tflops, pick_device, tf32
-from ..models import GPT, GPTConfig, SimpleCNN
+from ..device import cuda_capability, has_native_bf16, pick_device
+from ..models import GPT, GPTConfig
 from ..reference import record
-from ..timing import Timing, compare, peak_memory_bytes, saved_tensor_bytes, time_fn
-from ..train import AMP_DTYPES, StepResult, TrainConfig, Trainer, amp_step
+from ..timing import peak_memory_bytes, saved_tensor_bytes, time_fn
+from ..train import AMP_DTYPES, StepResult, amp_step
 from .bench import mixed_precision_for, step_row
-from .matmul import matmul_tflops
+from .matmul import matmul_tflops, peak_tflops, tf32
+from .rungs import Rung, _with_speedup, climb, course_ladder, format_rows
 from .targets import format_targets, targets
 
-__all__ = ["Rung", "climb", "COURSE_RUNGS", "GPT_RUNGS", "course_ladder", "resnet50_ladder", "largest_batch",
-           "gpt_ladder", "optimizer_table", "checkpointing_table", "format_rows", "read_rungs"]
-
-
-def _with_speedup(rows: list[dict]) -> list[dict]:
-    base = next(r["ms_per_step"] for r in rows if "ms_per_step" in r)
-    for r in rows:
-        if "ms_per_step" in r:
-            r["speedup"] = base / r["ms_per_step"]
-    return rows
-
-
-# --------------------------------------------------------------------------- the course's model
-
-@dataclass(frozen=True)
-class Rung:
-    """Chapter 09: one rung of a ladder: its label and everything switched on by then."""
-    label: str
-    amp: bool = False            # autocast in the device's 16-bit type (a GradScaler with fp16)
-    channels_last: bool = False  # course ladder: NHWC weights and inputs
-    fused: bool = False          # AdamW(fused=True)
-    compiled: bool = False       # torch.compile(model)
-    feed: str = "loader"         # course ladder: "loader" (no workers), "workers" (4, pinned), "device"
-    tf32: bool = False           # GPT ladder: TF32 for fp32 matmuls
-    sdpa: bool = False           # GPT ladder: F.scaled_dot_product_attention
-
-
-def climb(first: Rung, *changes: tuple[str, dict]) -> list[Rung]:
-    """Chapter 09: a ladder from its first rung, each next rung the one before with one change."""
-    rungs = [first]
-    for label, change in changes:
-        rungs.append(replace(rungs[-1], label=label, **change))
-    return rungs
-
-
-COURSE_RUNGS = climb(Rung("fp32, DataLoader"), ("+ AMP", {"amp": True}), ("+ channels_last", {"channels_last": True}),
-                     ("+ fused AdamW", {"fused": True}), ("+ torch.compile", {"compiled": True}),
-                     ("+ 4 workers, pinned", {"feed": "workers"}), ("+ data on the device", {"feed": "device"}))
-
-
-class _Waits:
-    """An endless stream of batches that records how long each `next()` kept the step waiting."""
-
-    def __init__(self, batches) -> None:
-        self.batches, self.wait_ms = batches, []
-
-    def __next__(self):
-        t0 = time.perf_counter()
-        batch = next(self.batches)
-        self.wait_ms.append((time.perf_counter() - t0) * 1e3)
-        return batch
-
-
-def _cycle(batches):
-    while True:
-        yield from batches
-
-
-def _resident(x: torch.Tensor, y: torch.Tensor, batch: int):
-    """Batches sliced from tensors already on the device, reshuffled every pass: no DataLoader."""
-    while True:
-        perm = torch.randperm(len(y), device=x.device)
-        for i in range(0, len(y) - batch + 1, batch):
-            idx = perm[i:i + batch]
-            yield x[idx], y[idx]
-
-
-def course_ladder(device: str = "auto", batch: int | None = None, steps: int | None = None,
-                  compile_on_cpu: bool = False) -> list[dict]:
-    """Chapter 09: the course's SimpleCNN on the shipped Fashion-MNIST, trained by the course's Trainer,
-    one change per rung: fp32 fed by a DataLoader -> AMP -> channels_last -> fused AdamW -> torch.compile
-    -> 4 loader workers and pinned memory -> the data kept on the device. Each rung: ms per step,
-    loading included, with spread; images/s; `data_wait`, the share of that time spent waiting in next().
-
-    fp32 is PyTorch's default (on Ampere or newer, cuDNN convolutions then use TF32); AMP is the
-    device's mixed precision (`mixed_precision_for`). Defaults: batch 256 and 30 timed
-    steps on a GPU; batch 32 and 5 steps on a CPU, where torch.compile is skipped (its first call
-    takes minutes there) unless compile_on_cpu is set.
-    """
-    dev = pick_device(device)
-    cuda = dev.type == "cuda"
-    batch, steps = batch or (256 if cuda else 32), steps or (30 if cuda else 5)
-    amp = mixed_precision_for(dev)
-    ds = load_dataset(train_size=None if cuda else 2048, verbose=False)
-    rows = []
-    for rung in COURSE_RUNGS:
-        label, compiled = rung.label.replace("AMP", f"AMP {amp}"), rung.compiled
-        if compiled and not cuda and not compile_on_cpu:  # not measured; the last rung runs uncompiled
-            if rung.feed != "device":
-                rows.append({"mode": label, "note": "skipped on a CPU: compiling takes minutes there"})
-                continue
-            compiled, label = False, label + " (eager)"
-        torch.manual_seed(0)
-        model = SimpleCNN(in_channels=1)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if rung.fused else {}))
-        cfg = TrainConfig(precision=amp if rung.amp else "fp32", device=str(dev), channels_last=rung.channels_last,
-                          progress=False, log_every=10**9)
-        trainer = Trainer(torch.compile(model) if compiled else model, opt, cfg)
-        workers = {"num_workers": 4, "pin_memory": cuda, "persistent_workers": True} if rung.feed == "workers" else {}
-        batches = _Waits(_resident(*(t.to(dev) for t in ds.train.tensors), batch) if rung.feed == "device" else
-                         _cycle(make_loader(ds.train, batch, seed=0, drop_last=True, **workers)))
-        timing = time_fn(lambda t=trainer, b=batches: t.train_step([next(b)]), warmup=3 if compiled else 2,
-                         iters=steps, device=dev)
-        q1, q3 = timing.quartiles_ms
-        # The timed steps' share of time spent in next(): the step waited for its batch (chapter 07).
-        waited = sum(batches.wait_ms[-steps:]) / sum(timing.times_ms)
-        rows.append({"mode": label, "precision": trainer.precision, "batch": batch, "ms_per_step": timing.median_ms,
-                     "ms_q1": q1, "ms_q3": q3, "times_ms": timing.times_ms,
-                     "samples_per_s": batch / timing.median_ms * 1e3, "feed": rung.feed,
-                     "data_wait": min(waited, 1.0)})
-        del trainer, model, opt
-    return _with_speedup(rows)
+__all__ = ["GPT_RUNGS", "resnet50_ladder", "largest_batch", "gpt_ladder", "optimizer_table", "checkpointing_table"]
 
 
 # --------------------------------------------------------------------------- ResNet-50
 
-def resnet50_ladder(device: str = "auto", batch: int | None = None, steps: int | None = None,
-                    image_size: int | None = None) -> list[dict]:
+
+def resnet50_ladder(
+    device: str = "auto", batch: int | None = None, steps: int | None = None, image_size: int | None = None
+) -> list[dict]:
     """Chapter 09: ResNet-50 training steps in strict FP32, TF32, bf16 and fp16 AMP, each without and
     with channels_last: ms/step with spread, images/s, peak memory (CUDA), speed-up over strict FP32.
 
@@ -168,22 +62,47 @@ def resnet50_ladder(device: str = "auto", batch: int | None = None, steps: int |
     shape = (3, size, size)
     ampere = cuda and cuda_capability(dev) >= (8, 0)
     rows = []
-    for label, precision, allow_tf32 in (("FP32 (strict)", "fp32", False), ("TF32", "fp32", True),
-                                         ("AMP bf16", "bf16", False), ("AMP fp16", "fp16", False)):
+    for label, precision, allow_tf32 in (
+        ("FP32 (strict)", "fp32", False),
+        ("TF32", "fp32", True),
+        ("AMP bf16", "bf16", False),
+        ("AMP fp16", "fp16", False),
+    ):
         for channels_last in (False, True):
             mode = label + (" + channels_last" if channels_last else "")
-            why = ("TF32 needs an NVIDIA Ampere-or-newer GPU (sm_80+)" if allow_tf32 and not ampere else
-                   "no native bf16 here: it would be emulated" if precision == "bf16" and not has_native_bf16(dev)
-                   else "fp16 convolution backward is slow on most CPUs" if precision == "fp16" and not cuda else "")
-            rows.append({"mode": mode, "note": why} if why else
-                        {"mode": mode, "image_size": size,
-                         **step_row("resnet50", precision, dev, batch=batch, steps=steps, allow_tf32=allow_tf32,
-                                    channels_last=channels_last, shape=shape)})
+            why = (
+                "TF32 needs an NVIDIA Ampere-or-newer GPU (sm_80+)"
+                if allow_tf32 and not ampere
+                else "no native bf16 here: it would be emulated"
+                if precision == "bf16" and not has_native_bf16(dev)
+                else "fp16 convolution backward is slow on most CPUs"
+                if precision == "fp16" and not cuda
+                else ""
+            )
+            rows.append(
+                {"mode": mode, "note": why}
+                if why
+                else {
+                    "mode": mode,
+                    "image_size": size,
+                    **step_row(
+                        "resnet50",
+                        precision,
+                        dev,
+                        batch=batch,
+                        steps=steps,
+                        allow_tf32=allow_tf32,
+                        channels_last=channels_last,
+                        shape=shape,
+                    ),
+                }
+            )
     return _with_speedup(rows)
 
 
-def largest_batch(precision: str = "bf16", channels_last: bool = True, device: str = "auto",
-                  start: int = 64, limit: int = 4096) -> dict:
+def largest_batch(
+    precision: str = "bf16", channels_last: bool = True, device: str = "auto", start: int = 64, limit: int = 4096
+) -> dict:
     """Chapter 09: the largest ResNet-50 batch (224 px) that trains in GPU memory: doubling from
     `start` until CUDA runs out of memory, which is caught and released. CPU: not measured.
     cuDNN autotuning is off: it would try every algorithm at each new size, over a minute per size
@@ -195,19 +114,25 @@ def largest_batch(precision: str = "bf16", channels_last: bool = True, device: s
     while batch <= limit:
         try:
             # does it train? One step and the peak-memory step: no warm-up, nothing to time
-            step_row("resnet50", precision, dev, batch=batch, steps=1, warmup=0, channels_last=channels_last,
-                     autotune=False)
+            step_row(
+                "resnet50", precision, dev, batch=batch, steps=1, warmup=0, channels_last=channels_last, autotune=False
+            )
             fits, batch = batch, batch * 2
         except torch.cuda.OutOfMemoryError:
             break
         finally:
             gc.collect()
             torch.cuda.empty_cache()
-    return {"precision": precision, "channels_last": channels_last, "largest_batch": fits,
-            "note": "" if batch <= limit else f"fits up to the probe's limit ({limit})"}
+    return {
+        "precision": precision,
+        "channels_last": channels_last,
+        "largest_batch": fits,
+        "note": "" if batch <= limit else f"fits up to the probe's limit ({limit})",
+    }
 
 
 # --------------------------------------------------------------------------- GPT
+
 
 def _gpt_size(dev: torch.device, batch: int | None, seq: int | None) -> tuple[GPTConfig, int, int]:
     if dev.type == "cuda":
@@ -221,20 +146,36 @@ def _gpu_name(dev: torch.device) -> str:
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""
 
 
-def _gpt_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-              amp: str | None, scaler: torch.amp.GradScaler) -> Callable[[], StepResult]:
+def _gpt_step(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    amp: str | None,
+    scaler: torch.amp.GradScaler,
+) -> Callable[[], StepResult]:
     """One GPT training step, the core's amp_step; the model computes its own loss (nanoGPT's way)."""
     dtype = AMP_DTYPES[amp or "fp32"]
     return lambda: amp_step(model, opt, scaler, [(x, y)], dtype, forward=lambda a, b: model(a, b)[1])
 
 
-GPT_RUNGS = climb(Rung("FP32 (strict)"), ("TF32", {"tf32": True}), ("AMP", {"amp": True}),
-                  ("+ SDPA attention", {"sdpa": True}), ("+ torch.compile", {"compiled": True}),
-                  ("+ fused AdamW", {"fused": True}))
+GPT_RUNGS = climb(
+    Rung("FP32 (strict)"),
+    ("TF32", {"tf32": True}),
+    ("AMP", {"amp": True}),
+    ("+ SDPA attention", {"sdpa": True}),
+    ("+ torch.compile", {"compiled": True}),
+    ("+ fused AdamW", {"fused": True}),
+)
 
 
-def gpt_ladder(device: str = "auto", batch: int | None = None, seq: int | None = None, steps: int | None = None,
-               compile_on_cpu: bool = False) -> list[dict]:
+def gpt_ladder(
+    device: str = "auto",
+    batch: int | None = None,
+    seq: int | None = None,
+    steps: int | None = None,
+    compile_on_cpu: bool = False,
+) -> list[dict]:
     """Chapter 09: the GPT ladder, strict FP32 -> TF32 -> AMP -> SDPA -> torch.compile -> fused AdamW.
 
     Each rung: ms/step with spread, tokens/s, and MFU (model FLOPs utilisation: the model's training
@@ -271,10 +212,22 @@ def gpt_ladder(device: str = "auto", batch: int | None = None, seq: int | None =
         tokens_s = batch * seq / timing.median_ms * 1e3
         achieved = model.flops_per_token(seq) * tokens_s / 1e12
         q1, q3 = timing.quartiles_ms
-        rows.append({"mode": label, "batch": batch, "seq": seq, "params_m": sum(p.numel() for p in model.parameters())
-                     / 1e6, "ms_per_step": timing.median_ms, "ms_q1": q1, "ms_q3": q3, "times_ms": timing.times_ms,
-                     "tokens_per_s": tokens_s, "model_tflops": achieved, "mfu": achieved / peak if peak else None,
-                     "mfu_peak": f"{name} dense {amp}, {peak} TFLOP/s" if peak else None})
+        rows.append(
+            {
+                "mode": label,
+                "batch": batch,
+                "seq": seq,
+                "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+                "ms_per_step": timing.median_ms,
+                "ms_q1": q1,
+                "ms_q3": q3,
+                "times_ms": timing.times_ms,
+                "tokens_per_s": tokens_s,
+                "model_tflops": achieved,
+                "mfu": achieved / peak if peak else None,
+                "mfu_peak": f"{name} dense {amp}, {peak} TFLOP/s" if peak else None,
+            }
+        )
         del model, opt, step
     return _with_speedup(rows)
 
@@ -292,6 +245,7 @@ def matmul_ceiling(device: str = "auto") -> float | None:
 
 # --------------------------------------------------------------------------- optimizer and memory
 
+
 def optimizer_table(device: str = "auto", steps: int | None = None) -> list[dict]:
     """Chapter 09: the cost of one AdamW step over the GPT's parameters: a Python for-loop over the
     tensors, `foreach` (a few multi-tensor kernels) and `fused` (one kernel per group)."""
@@ -308,8 +262,17 @@ def optimizer_table(device: str = "auto", steps: int | None = None) -> list[dict
         opt = torch.optim.AdamW(params, lr=1e-4, **kwargs)
         timing = time_fn(opt.step, warmup=3, iters=steps or (20 if dev.type == "cuda" else 10), device=dev)
         q1, q3 = timing.quartiles_ms
-        rows.append({"mode": f"AdamW {label}", "params_m": sum(p.numel() for p in params) / 1e6, "tensors": len(params),
-                     "ms_per_step": timing.median_ms, "ms_q1": q1, "ms_q3": q3, "times_ms": timing.times_ms})
+        rows.append(
+            {
+                "mode": f"AdamW {label}",
+                "params_m": sum(p.numel() for p in params) / 1e6,
+                "tensors": len(params),
+                "ms_per_step": timing.median_ms,
+                "ms_q1": q1,
+                "ms_q3": q3,
+                "times_ms": timing.times_ms,
+            }
+        )
     return _with_speedup(rows)
 
 
@@ -347,39 +310,19 @@ def checkpointing_table(device: str = "auto", steps: int | None = None) -> list[
             saved = sum(saved_tensor_bytes(lambda m=model: m(x, x)[1]).values())
         peak = peak_memory_bytes(step, dev)
         q1, q3 = timing.quartiles_ms
-        rows.append({"mode": label, "ms_per_step": timing.median_ms, "ms_q1": q1, "ms_q3": q3,
-                     "times_ms": timing.times_ms, "saved_mib": saved / 2**20,
-                     "peak_memory_gib": peak / 2**30 if peak is not None else None})
+        rows.append(
+            {
+                "mode": label,
+                "ms_per_step": timing.median_ms,
+                "ms_q1": q1,
+                "ms_q3": q3,
+                "times_ms": timing.times_ms,
+                "saved_mib": saved / 2**20,
+                "peak_memory_gib": peak / 2**30 if peak is not None else None,
+            }
+        )
         del model, opt, step
     return _with_speedup(rows)
-
-
-# --------------------------------------------------------------------------- tables
-
-def format_rows(rows: list[dict]) -> str:
-    """Chapter 09: ladder rows as a table of at most 100 columns (MFU, memory or data wait where measured)."""
-    out = [f"{'rung':<32}{'ms/step':>9}{'middle half':>15}{'speed-up':>9}{'throughput':>13}{'mem/MFU/wait':>14}"]
-    for r in rows:
-        if "ms_per_step" not in r:
-            out.append(f"{r['mode']:<32}  skipped: {r['note']}")
-            continue
-        rate = (f"{r['samples_per_s']:.0f} img/s" if "samples_per_s" in r else
-                f"{r['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in r else "")
-        extra = (f"{r['mfu']:.0%} MFU" if r.get("mfu") is not None else
-                 f"{r['peak_memory_gib']:.2f} GiB" if r.get("peak_memory_gib") is not None else
-                 f"{r['saved_mib']:.1f} MiB" if "saved_mib" in r else
-                 f"{r['data_wait']:.0%} wait" if r.get("data_wait") is not None else "")
-        half = f"{r['ms_q1']:.1f}-{r['ms_q3']:.1f}"
-        out.append(f"{r['mode']:<32}{r['ms_per_step']:>9.1f}{half:>15}{r['speedup']:>8.2f}x{rate:>13}{extra:>14}")
-    return "\n".join(out)
-
-
-def read_rungs(rows: list[dict]) -> str:
-    """Chapter 09: each timed rung against the one before it, in words (course_lib.timing.compare):
-    faster or slower, by what factor, and whether the difference is larger than the spread."""
-    timed = [r for r in rows if "times_ms" in r]
-    return "\n".join(compare({a["mode"]: Timing(a["times_ms"]), b["mode"]: Timing(b["times_ms"])}, a["mode"])
-                     for a, b in zip(timed, timed[1:]))
 
 
 def main(argv: list[str] | None = None) -> int:

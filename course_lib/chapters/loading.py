@@ -5,41 +5,49 @@ more slowly than the model consumes them; the time spent in `next(iterator)` is 
 Here the pipeline is real (torchvision.transforms.v2 augmentations applied image by image on
 the CPU, as an image-folder dataset does) and the model's compute is either real or simulated:
 `simulated_step(ms)` sleeps, leaving the CPU free, as a host does while its GPU computes.
+The measurement (measure_loader, sweep, their table and plot) is in course_lib.chapters.data_wait.
 
     run = measure_loader(DataLoader(AugmentedImages(images, labels), batch_size=64, num_workers=2),
                          simulated_step(40), steps=16)
     print(run)                                   # images/s, step time with spread, data-wait fraction
     python -m course_lib.chapters.loading --json data/reference/loading_<gpu>.json
 """
+
 from __future__ import annotations
 
 import argparse
-import contextlib
-import math
-import os
 import sys
 import time
-import warnings
-from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, get_worker_info
-from tqdm.auto import tqdm
 
 from ..data import FASHION_MEAN, FASHION_STD, DatasetBundle, load_dataset
 from ..reference import record
-from ..timing import Timing, time_fn
+from ..timing import time_fn
+from .data_wait import LoaderRun, cpus, format_runs, measure_loader, simulated_step, sweep
 
-__all__ = ["raw_images", "augmentation", "AugmentedImages", "SlowStorage", "ArgsSwallowingDataset",
-           "NumpyRngDataset", "reseed_numpy", "simulated_step", "LoaderRun", "measure_loader", "sweep",
-           "format_runs", "plot_sweep", "cpus", "workers_needed", "augment_batch", "DeviceLoader",
-           "copy_timings", "format_copy_rows", "format_reference"]
+__all__ = [
+    "raw_images",
+    "augmentation",
+    "AugmentedImages",
+    "SlowStorage",
+    "ArgsSwallowingDataset",
+    "NumpyRngDataset",
+    "reseed_numpy",
+    "augment_batch",
+    "DeviceLoader",
+    "copy_timings",
+    "format_copy_rows",
+    "format_reference",
+]
 
 
 # --------------------------------------------------------------------------- the pipeline
+
 
 def raw_images(bundle: DatasetBundle) -> tuple[torch.Tensor, torch.Tensor]:
     """Chapter 07: the uint8 images (N, C, H, W) and labels behind a normalised bundle.
@@ -63,17 +71,20 @@ def augmentation(size: int = 28, mean: Sequence[float] = FASHION_MEAN, std: Sequ
     try:
         from torchvision.transforms import v2
     except (ImportError, RuntimeError, OSError) as e:  # a torchvision that does not match torch
-        raise RuntimeError(f"chapter 07 needs torchvision.transforms.v2 ({type(e).__name__}: {e}); "
-                           "pip install -U torch torchvision") from e
-    return v2.Compose([
-        v2.RandomResizedCrop(size, scale=(0.6, 1.0), antialias=True),
-        v2.RandomHorizontalFlip(),
-        v2.RandomAffine(degrees=10, translate=(0.1, 0.1)),
-        v2.ColorJitter(brightness=0.3, contrast=0.3),
-        v2.ToDtype(torch.float32, scale=True),
-        v2.Normalize(list(mean), list(std)),
-        v2.RandomErasing(p=0.25),
-    ])
+        raise RuntimeError(
+            f"chapter 07 needs torchvision.transforms.v2 ({type(e).__name__}: {e}); pip install -U torch torchvision"
+        ) from e
+    return v2.Compose(
+        [
+            v2.RandomResizedCrop(size, scale=(0.6, 1.0), antialias=True),
+            v2.RandomHorizontalFlip(),
+            v2.RandomAffine(degrees=10, translate=(0.1, 0.1)),
+            v2.ColorJitter(brightness=0.3, contrast=0.3),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(list(mean), list(std)),
+            v2.RandomErasing(p=0.25),
+        ]
+    )
 
 
 class AugmentedImages(Dataset):
@@ -148,160 +159,16 @@ def reseed_numpy(worker_id: int) -> None:
     info.dataset.rng = np.random.default_rng(info.seed)
 
 
-# --------------------------------------------------------------------------- measuring the wait
-
-def simulated_step(ms: float) -> Callable[[object], None]:
-    """Chapter 07: a training step that takes `ms` milliseconds and leaves the CPU free (a GPU's step)."""
-    return lambda batch: time.sleep(ms / 1000)
-
-
-@dataclass
-class LoaderRun:
-    """Chapter 07: what measure_loader returns: per-step data waits and step times (ms) after warm-up."""
-    label: str
-    batch_size: int
-    wait_ms: list[float]
-    step_ms: list[float]
-    first_batch_ms: float   # iter() until the first batch: starting the workers and filling the pipe
-
-    @property
-    def wait_fraction(self) -> float:
-        """Time spent waiting for data / total time of the measured steps."""
-        return sum(self.wait_ms) / sum(self.step_ms)
-
-    @property
-    def images_per_s(self) -> float:
-        return 1000 * self.batch_size * len(self.step_ms) / sum(self.step_ms)
-
-    @property
-    def step(self) -> Timing:
-        return Timing(self.step_ms)
-
-    def windows(self, k: int = 4) -> tuple[list[float], list[float]]:
-        """images/s and wait fraction over consecutive windows of `k` steps: their spread."""
-        rates, fractions = [], []
-        for i in range(0, len(self.step_ms) - k + 1, k):
-            s, w = sum(self.step_ms[i:i + k]), sum(self.wait_ms[i:i + k])
-            rates.append(1000 * self.batch_size * k / s)
-            fractions.append(w / s)
-        return rates, fractions
-
-    def __str__(self) -> str:
-        return (f"{self.label}: {self.images_per_s:,.0f} images/s, step {self.step}, "
-                f"waiting for data {self.wait_fraction:.0%} of the time")
-
-
-def measure_loader(loader: Iterable, step: Callable[[object], None], steps: int = 16, warmup: int | None = None,
-                   label: str = "", batch_size: int | None = None) -> LoaderRun:
-    """Chapter 07: run `warmup` + `steps` training steps on `loader`, timing the wait in `next()`.
-
-    warmup=None: 2 + num_workers, because the workers all finish a first batch at about the same
-    time: a stock that the timed steps must not merely drain. When the loader runs out, a new
-    epoch starts (iter() again) inside the timed wait, so the cost of restarting workers between
-    epochs is counted where a training loop pays it.
-    """
-    if warmup is None:
-        warmup = 2 + getattr(loader, "num_workers", 0)
-    it: Iterator = iter(loader)
-    t0 = time.perf_counter()
-    batch = next(it)
-    first = (time.perf_counter() - t0) * 1000
-    waits, times = [], []
-    for i in range(warmup + steps):
-        if i:
-            t0 = time.perf_counter()
-            try:
-                batch = next(it)
-            except StopIteration:
-                it = iter(loader)
-                batch = next(it)
-        t1 = time.perf_counter()
-        step(batch)
-        t2 = time.perf_counter()
-        if i >= warmup:
-            waits.append((t1 - t0) * 1000)
-            times.append((t2 - t0) * 1000)
-    del it  # shut non-persistent workers down now, not whenever the garbage collector runs
-    bs = batch_size or getattr(loader, "batch_size", None) or len(batch[0])
-    return LoaderRun(label, bs, waits, times, first)
-
-
-@contextlib.contextmanager
-def quiet_loader_warnings() -> Iterator[None]:
-    """DataLoader's warnings about more workers than cores and pinning without a GPU, silenced."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="This DataLoader will create")
-        warnings.filterwarnings("ignore", message=".*pin_memory.* no accelerator")
-        yield
-
-
-def sweep(make: Callable[[object], Iterable], values: Sequence, step: Callable[[object], None], *,
-          label: Callable[[object], str] = str, desc: str = "sweep", **kw) -> list[LoaderRun]:
-    """Chapter 07: measure_loader on make(v) for every v in `values`, with a progress bar."""
-    with quiet_loader_warnings():
-        return [measure_loader(make(v), step, label=label(v), **kw) for v in tqdm(values, desc=desc, leave=False)]
-
-
-def format_runs(runs: Sequence[LoaderRun]) -> str:
-    """Chapter 07: one line per run (at most 100 characters): images/s, step time, wait fraction."""
-    out = [f"{'':<26}{'images/s':>9}{'step ms: median (middle half)':>32}{'waiting':>9}{'first batch':>13}"]
-    for r in runs:
-        lo, hi = r.step.quartiles_ms
-        out.append(f"{r.label:<26}{r.images_per_s:>9,.0f}{r.step.median_ms:>14.1f} ({lo:>6.1f}-{hi:>6.1f} ms)"
-                   f"{r.wait_fraction:>9.0%}{r.first_batch_ms:>10.0f} ms")
-    return "\n".join(out)
-
-
-def plot_sweep(series: dict[str, Sequence[LoaderRun]], xs: Sequence[float], xlabel: str,
-               demand: dict[str, float] | None = None, supply: float | None = None, cores: int | None = None,
-               window: int = 4):
-    """Chapter 07: throughput and data-wait fraction against a knob, one line per series.
-
-    Points are whole-run values; error bars span the windows of `window` steps (min to max).
-    `demand`: each series' consumption rate (images/s its model could take), drawn dashed;
-    `supply`, `cores`: one core's pipeline rate, drawn as min(workers, cores) x supply.
-    """
-    import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for i, (name, runs) in enumerate(series.items()):
-        for ax, which, scale in ((ax1, 0, 1), (ax2, 1, 100)):
-            ys = [(r.images_per_s, r.wait_fraction)[which] * scale for r in runs]
-            win = [[v * scale for v in r.windows(window)[which]] or [y] for r, y in zip(runs, ys)]
-            err = [[y - min(w) for y, w in zip(ys, win)], [max(w) - y for y, w in zip(ys, win)]]
-            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, color=f"C{i}", label=name)
-        if demand and name in demand:
-            ax1.axhline(demand[name], color=f"C{i}", ls="--", lw=1, label=f"{name}: compute alone")
-    if supply:
-        ideal = [x for x in xs if x >= 1]
-        ax1.plot(ideal, [min(x, cores or x) * supply for x in ideal], color="grey", ls=":",
-                 label=f"workers x one core's rate{f' (at most {cores} cores)' if cores else ''}")
-    top = max([*(demand or {}).values(), *(r.images_per_s for runs in series.values() for r in runs),
-               min(max(xs), cores or max(xs)) * (supply or 0)])
-    ax1.set(xlabel=xlabel, ylabel="training throughput (images/s)", ylim=(0, 1.7 * top))
-    ax2.set(xlabel=xlabel, ylabel="time waiting for data (% of step time)", ylim=(0, 115))
-    ax1.legend(fontsize=8, loc="upper left")
-    ax2.legend(fontsize=8, loc="upper right")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.set_xticks(list(xs))
-    fig.tight_layout()
-    return fig
-
-
-def cpus() -> int:
-    """Chapter 07: CPU cores this process may run on (the affinity mask, not the machine's total)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def workers_needed(load_ms: float, step_ms: float, headroom: float = 1.25) -> int:
-    """Chapter 07: workers that keep up: each makes one batch per load_ms, the model takes one per step_ms."""
-    return max(1, math.ceil(headroom * load_ms / step_ms))
-
-
 # --------------------------------------------------------------------------- no loader at all
 
-def augment_batch(x: torch.Tensor, generator: torch.Generator, mean: Sequence[float] = FASHION_MEAN,
-                  std: Sequence[float] = FASHION_STD, pad: int = 2) -> torch.Tensor:
+
+def augment_batch(
+    x: torch.Tensor,
+    generator: torch.Generator,
+    mean: Sequence[float] = FASHION_MEAN,
+    std: Sequence[float] = FASHION_STD,
+    pad: int = 2,
+) -> torch.Tensor:
     """Chapter 07: a whole uint8 batch augmented at once on its device, a different draw per image.
 
     Random shift by up to `pad` pixels (zero padding), horizontal flip, brightness and contrast
@@ -310,11 +177,12 @@ def augment_batch(x: torch.Tensor, generator: torch.Generator, mean: Sequence[fl
     n, c, h, w = x.shape
     dev = x.device
     xp = F.pad(x.float().div_(255), (pad,) * 4)
-    dy, dx = (torch.randint(0, 2 * pad + 1, (2, n), device=dev, generator=generator))
+    dy, dx = torch.randint(0, 2 * pad + 1, (2, n), device=dev, generator=generator)
     rows = (dy[:, None] + torch.arange(h, device=dev))[:, None, :, None]
     cols = (dx[:, None] + torch.arange(w, device=dev))[:, None, None, :]
-    out = xp[torch.arange(n, device=dev)[:, None, None, None], torch.arange(c, device=dev)[None, :, None, None],
-             rows, cols]
+    out = xp[
+        torch.arange(n, device=dev)[:, None, None, None], torch.arange(c, device=dev)[None, :, None, None], rows, cols
+    ]
     flip = torch.rand(n, 1, 1, 1, device=dev, generator=generator) < 0.5
     out = torch.where(flip, out.flip(-1), out)
     scale = 1 + 0.3 * (2 * torch.rand(n, 1, 1, 1, device=dev, generator=generator) - 1)
@@ -333,8 +201,15 @@ class DeviceLoader:
     tensor ops; an ImageNet-sized set or JPEG decoding needs a loader.
     """
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, device="cpu",
-                 seed: int = 0, augment: bool = True):
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        batch_size: int,
+        device="cpu",
+        seed: int = 0,
+        augment: bool = True,
+    ):
         self.x, self.y = images.to(device), labels.to(device)
         self.batch_size, self.augment = batch_size, augment
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -345,12 +220,13 @@ class DeviceLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         order = torch.randperm(len(self.x), device=self.x.device, generator=self.generator)
         for i in range(len(self)):
-            idx = order[i * self.batch_size:(i + 1) * self.batch_size]
+            idx = order[i * self.batch_size : (i + 1) * self.batch_size]
             x = self.x[idx]
             yield (augment_batch(x, self.generator) if self.augment else x.float()), self.y[idx]
 
 
 # --------------------------------------------------------------------------- pinned memory (GPU)
+
 
 def copy_timings(device: str = "cuda", mib: int = 64, busy_ms: float = 20.0, iters: int = 10) -> list[dict]:
     """Chapter 07: a host->device copy of `mib` MiB from pageable memory, pinned memory, and pinned each time.
@@ -366,8 +242,12 @@ def copy_timings(device: str = "cuda", mib: int = 64, busy_ms: float = 20.0, ite
     a = torch.randn(4096, 4096, device=dev)
     one = time_fn(lambda: a @ a, warmup=2, iters=5, device=dev).median_ms
     reps, side, rows = max(1, round(busy_ms / one)), torch.cuda.Stream(dev), []
-    for name, src, pin_each in (("pageable .to()", pageable, False), ("pinned, non_blocking", pinned, False),
-                                ("pin_memory() each time", pageable, True)):
+    for name, src, pin_each in (
+        ("pageable .to()", pageable, False),
+        ("pinned, non_blocking", pinned, False),
+        ("pin_memory() each time", pageable, True),
+    ):
+
         def copy() -> torch.Tensor:
             return (src.pin_memory() if pin_each else src).to(dev, non_blocking=True)
 
@@ -388,9 +268,19 @@ def copy_timings(device: str = "cuda", mib: int = 64, busy_ms: float = 20.0, ite
             else:
                 both.append((time.perf_counter() - t0) * 1000)
         lo, hi = t.quartiles_ms
-        rows.append({"copy": name, "mib": mib, "copy_ms": t.median_ms, "copy_lo": lo, "copy_hi": hi,
-                     "gb_per_s": mib * 2**20 / 1e6 / t.median_ms, "busy_ms": reps * one,
-                     "host_ms": float(np.median(held)), "both_ms": float(np.median(both))})
+        rows.append(
+            {
+                "copy": name,
+                "mib": mib,
+                "copy_ms": t.median_ms,
+                "copy_lo": lo,
+                "copy_hi": hi,
+                "gb_per_s": mib * 2**20 / 1e6 / t.median_ms,
+                "busy_ms": reps * one,
+                "host_ms": float(np.median(held)),
+                "both_ms": float(np.median(both)),
+            }
+        )
     return rows
 
 
@@ -398,10 +288,15 @@ def format_copy_rows(rows: Sequence[dict]) -> str:
     """Chapter 07: copy_timings as a table."""
     out = [f"{'host memory':<24}{'copy ms (middle half)':>24}{'GB/s':>7}{'host held ms':>14}{'busy+copy ms':>14}"]
     for r in rows:
-        out.append(f"{r['copy']:<24}{r['copy_ms']:>9.2f} ({r['copy_lo']:.2f}-{r['copy_hi']:.2f}){r['gb_per_s']:>8.1f}"
-                   f"{r['host_ms']:>14.2f}{r['both_ms']:>14.2f}")
-    return "\n".join(out) + (f"\n(copies of {rows[0]['mib']} MiB; before each, {rows[0]['busy_ms']:.1f} ms of GPU work "
-                             "was queued)" if rows else "")
+        out.append(
+            f"{r['copy']:<24}{r['copy_ms']:>9.2f} ({r['copy_lo']:.2f}-{r['copy_hi']:.2f}){r['gb_per_s']:>8.1f}"
+            f"{r['host_ms']:>14.2f}{r['both_ms']:>14.2f}"
+        )
+    return "\n".join(out) + (
+        f"\n(copies of {rows[0]['mib']} MiB; before each, {rows[0]['busy_ms']:.1f} ms of GPU work was queued)"
+        if rows
+        else ""
+    )
 
 
 def format_reference(ref: dict) -> str:
@@ -409,8 +304,10 @@ def format_reference(ref: dict) -> str:
     parts = [format_copy_rows(ref["copies"])] if ref.get("copies") else []
     if ref.get("sweep"):
         s = ref["sweep"]
-        parts.append(f"loader sweep on {s['cpus']} cores: one core augments {s['per_core']:,.0f} images/s; "
-                     f"the simulated model\ntakes {s['demand']:,.0f} images/s")
+        parts.append(
+            f"loader sweep on {s['cpus']} cores: one core augments {s['per_core']:,.0f} images/s; "
+            f"the simulated model\ntakes {s['demand']:,.0f} images/s"
+        )
         parts.append(format_runs([LoaderRun(**r) for r in s["runs"]]))
     return "\n".join(parts)
 
@@ -422,16 +319,28 @@ def _sweep_record(batch_size: int, workers: Sequence[int], demand_x: float, step
     base = measure_loader(DataLoader(ds, batch_size=batch_size), simulated_step(0), steps=8, label="load only")
     per_core = base.images_per_s
     step = simulated_step(1000 * batch_size / (demand_x * per_core))
-    runs = sweep(lambda w: DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=w,
-                                      persistent_workers=w > 0), workers, step,
-                 label=lambda w: f"num_workers={w}", desc="num_workers", steps=steps)
-    return {"cpus": cpus(), "per_core": per_core, "demand": demand_x * per_core, "batch_size": batch_size,
-            "runs": [r.__dict__ for r in runs]}
+    runs = sweep(
+        lambda w: DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=w, persistent_workers=w > 0),
+        workers,
+        step,
+        label=lambda w: f"num_workers={w}",
+        desc="num_workers",
+        steps=steps,
+    )
+    return {
+        "cpus": cpus(),
+        "per_core": per_core,
+        "demand": demand_x * per_core,
+        "batch_size": batch_size,
+        "runs": [r.__dict__ for r in runs],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m course_lib.chapters.loading",
-                                description="pinned vs pageable copies to the GPU; a DataLoader num_workers sweep")
+    p = argparse.ArgumentParser(
+        prog="python -m course_lib.chapters.loading",
+        description="pinned vs pageable copies to the GPU; a DataLoader num_workers sweep",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--mib", type=int, default=64, help="size of the copied batch")
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2, 4, 8, 12, 16])

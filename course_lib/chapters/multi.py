@@ -1,7 +1,8 @@
 """Several models, losses and optimizers under one GradScaler: the loops of chapter 05.
 
 The rules, from PyTorch's AMP examples page ("Working with Multiple Models, Losses, and
-Optimizers", "Gradient penalty"), each followed by a loop below:
+Optimizers", "Gradient penalty"), each followed by a loop below or, for the article's two models,
+in article_two_models.py:
   - one GradScaler serves every model, loss and optimizer of the iteration;
   - `scaler.scale(loss)` for every loss you call backward on;
   - `scaler.unscale_(opt)` only for the optimizers whose gradients you read or change
@@ -14,6 +15,7 @@ Optimizers", "Gradient penalty"), each followed by a loop below:
     mode = amp_mode("cpu")   # fp16 + GradScaler("cpu") where this torch can, else bf16 alone
     python -m course_lib.chapters.multi --json data/reference/multi_<gpu>.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,16 +31,30 @@ import torch.nn.functional as F
 from ..reference import record
 from ..timing import Timing, time_fn
 
-__all__ = ["AmpMode", "amp_mode", "two_models", "two_model_step", "skipped", "independent_skips",
-           "retain_vs_sum", "Generator", "Discriminator", "gan_images", "gan_step", "GanHistory", "train_gan",
-           "image_grid", "penalty_backward", "penalty_reference", "format_reference"]
+__all__ = [
+    "AmpMode",
+    "amp_mode",
+    "skipped",
+    "Generator",
+    "Discriminator",
+    "gan_images",
+    "gan_step",
+    "GanHistory",
+    "train_gan",
+    "image_grid",
+    "penalty_backward",
+    "penalty_reference",
+    "format_reference",
+]
 
 
 # --------------------------------------------------------------------------- which precision
 
+
 @dataclass(frozen=True)
 class AmpMode:
     """Chapter 05: the autocast dtype of a device and whether the GradScaler is on."""
+
     device_type: str
     dtype: torch.dtype
     scaler: bool
@@ -84,22 +100,15 @@ def amp_mode(device: str | torch.device = "cpu") -> AmpMode:
     dev = torch.device(device).type
     if dev == "cuda" or (dev == "cpu" and cpu_fp16_scaler_works()):
         return AmpMode(dev, torch.float16, True, f"fp16 autocast and torch.amp.GradScaler({dev!r}) work here")
-    return AmpMode(dev, torch.bfloat16, False, f"this torch has no fp16 autocast + GradScaler on {dev}: bf16, "
-                                               "which needs no scaler")
+    return AmpMode(
+        dev,
+        torch.bfloat16,
+        False,
+        f"this torch has no fp16 autocast + GradScaler on {dev}: bf16, which needs no scaler",
+    )
 
 
-# --------------------------------------------------------------------------- the article's two models
-
-def two_models(seed: int = 0, features: int = 16, hidden: int = 32, out: int = 4,
-               device: str | torch.device = "cpu") -> tuple[nn.Module, nn.Module]:
-    """Chapter 05: model0 and model1 of the article's example: two small MLPs, initialised from `seed`
-    (the global random state is left as it was)."""
-    def make() -> nn.Module:
-        return nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, out))
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return make().to(device), make().to(device)
+# --------------------------------------------------------------------------- did an optimizer skip?
 
 
 def skipped(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
@@ -108,101 +117,13 @@ def skipped(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> b
     Call it after scaler.step: step unscales the gradients in place, and it skips exactly when
     they hold an inf or a NaN. (A disabled scaler never skips.)
     """
-    return scaler.is_enabled() and any(p.grad is not None and not torch.isfinite(p.grad).all()
-                                       for g in optimizer.param_groups for p in g["params"])
-
-
-def two_model_step(model0: nn.Module, model1: nn.Module, opt0: torch.optim.Optimizer,
-                   opt1: torch.optim.Optimizer, scaler: torch.amp.GradScaler, x: torch.Tensor,
-                   y: torch.Tensor, mode: AmpMode, max_norm: float | None = None) -> dict:
-    """Chapter 05: one iteration of the article's two-model, two-loss example, done right.
-
-    Returns the two losses, the scale this iteration used and whether each optimizer skipped.
-    """
-    opt0.zero_grad(set_to_none=True)
-    opt1.zero_grad(set_to_none=True)
-    with mode.autocast():  # forward and losses only
-        out0, out1 = model0(x), model1(x)
-        loss0 = F.mse_loss(2 * out0 + 3 * out1, y)
-        loss1 = F.mse_loss(3 * out0 - 5 * out1, y)
-    # Both losses reach model0 and model1 through out0 and out1: the first backward must keep
-    # that shared graph for the second (retain_graph has nothing to do with AMP).
-    scaler.scale(loss0).backward(retain_graph=True)
-    scaler.scale(loss1).backward()
-    if max_norm is not None:  # we clip model0 only, so only opt0 needs its true gradients now
-        scaler.unscale_(opt0)
-        nn.utils.clip_grad_norm_(model0.parameters(), max_norm)
-    scale = scaler.get_scale() if scaler.is_enabled() else 1.0
-    scaler.step(opt0)  # unscales opt0's gradients (unless done above), steps if they are finite
-    scaler.step(opt1)  # the same for opt1, independently
-    skips = [skipped(scaler, opt0), skipped(scaler, opt1)]
-    scaler.update()  # once per iteration, after every optimizer has stepped
-    return {"loss0": loss0.item(), "loss1": loss1.item(), "scale": scale, "skipped": skips}
-
-
-def independent_skips(mode: AmpMode, iterations: int = 8, target_scale: float = 300.0, seed: int = 0) -> list[dict]:
-    """Chapter 05: two models with their own losses and one scaler; model1's targets are `target_scale`
-    times larger, so its fp16 gradients overflow at a scale where model0's do not.
-
-    One row per iteration: the scale used, whether opt0 / opt1 skipped, the scale after update().
-    """
-    model0, model1 = two_models(seed)
-    opt0, opt1 = (torch.optim.SGD(m.parameters(), lr=1e-3) for m in (model0, model1))
-    scaler = mode.make_scaler()
-    g = torch.Generator().manual_seed(seed)
-    x, y = torch.randn(64, 16, generator=g), torch.randn(64, 4, generator=g)
-    rows = []
-    for i in range(iterations):
-        opt0.zero_grad(set_to_none=True)
-        opt1.zero_grad(set_to_none=True)
-        with mode.autocast():
-            loss0, loss1 = F.mse_loss(model0(x), y), F.mse_loss(model1(x), target_scale * y)
-        used = scaler.get_scale() if scaler.is_enabled() else 1.0
-        scaler.scale(loss0).backward()
-        scaler.scale(loss1).backward()
-        scaler.step(opt0)
-        scaler.step(opt1)
-        skips = skipped(scaler, opt0), skipped(scaler, opt1)
-        scaler.update()
-        rows.append({"iteration": i + 1, "scale": used, "opt0_skipped": skips[0], "opt1_skipped": skips[1],
-                     "scale_after": scaler.get_scale() if scaler.is_enabled() else 1.0})
-    return rows
-
-
-def retain_vs_sum(mode: AmpMode, batch: int = 128, seed: int = 0, iters: int = 15,
-                  device: str | torch.device = "cpu") -> dict:
-    """Chapter 05: two backward passes with retain_graph=True against one backward of loss0 + loss1.
-
-    Returns the largest relative difference of the gradients (they are the same sum, rounded
-    in a different order) and the timing of one iteration each way.
-    """
-    model0, model1 = two_models(seed, features=128, hidden=256, out=32, device=device)
-    g = torch.Generator().manual_seed(seed)
-    x, y = torch.randn(batch, 128, generator=g).to(device), torch.randn(batch, 32, generator=g).to(device)
-    params = [*model0.parameters(), *model1.parameters()]
-
-    def iteration(summed: bool) -> list[torch.Tensor]:
-        for p in params:
-            p.grad = None
-        with mode.autocast():
-            out0, out1 = model0(x), model1(x)
-            loss0 = F.mse_loss(2 * out0 + 3 * out1, y)
-            loss1 = F.mse_loss(3 * out0 - 5 * out1, y)
-        if summed:
-            (loss0 + loss1).backward()
-        else:
-            loss0.backward(retain_graph=True)
-            loss1.backward()
-        return [p.grad.clone() for p in params]
-
-    two, one = iteration(False), iteration(True)
-    diff = max(((a - b).norm() / b.norm()).item() for a, b in zip(two, one))
-    timings = {"two backward (retain_graph)": time_fn(lambda: iteration(False), warmup=3, iters=iters, device=device),
-               "one backward of the sum": time_fn(lambda: iteration(True), warmup=3, iters=iters, device=device)}
-    return {"max_rel_diff": diff, "timings": timings}
+    return scaler.is_enabled() and any(
+        p.grad is not None and not torch.isfinite(p.grad).all() for g in optimizer.param_groups for p in g["params"]
+    )
 
 
 # --------------------------------------------------------------------------- a GAN: alternating updates
+
 
 class Generator(nn.Module):
     """Chapter 05: noise (z_dim) -> a 28x28 image in [-1, 1]; a two-layer MLP."""
@@ -232,9 +153,16 @@ def gan_images(train: torch.utils.data.TensorDataset, mean: float, std: float) -
     return (train.tensors[0] * std + mean) * 2 - 1
 
 
-def gan_step(gen: Generator, disc: Discriminator, opt_g: torch.optim.Optimizer,
-             opt_d: torch.optim.Optimizer, scaler: torch.amp.GradScaler, real: torch.Tensor,
-             z: torch.Tensor, mode: AmpMode) -> dict:
+def gan_step(
+    gen: Generator,
+    disc: Discriminator,
+    opt_g: torch.optim.Optimizer,
+    opt_d: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    real: torch.Tensor,
+    z: torch.Tensor,
+    mode: AmpMode,
+) -> dict:
     """Chapter 05: one GAN iteration: a discriminator step, then a generator step, one scaler.
 
     Each loss is scaled and each optimizer stepped through the scaler; update() comes once,
@@ -246,8 +174,10 @@ def gan_step(gen: Generator, disc: Discriminator, opt_g: torch.optim.Optimizer,
     opt_d.zero_grad(set_to_none=True)
     with mode.autocast():
         fake = gen(z)
-        d_loss = (F.binary_cross_entropy_with_logits(disc(real), ones)
-                  + F.binary_cross_entropy_with_logits(disc(fake.detach()), zeros))
+        d_loss = (
+            F.binary_cross_entropy_with_logits(disc(real), ones)  # real images -> 1
+            + F.binary_cross_entropy_with_logits(disc(fake.detach()), zeros)  # generated -> 0
+        )
     scaler.scale(d_loss).backward()
     scaler.step(opt_d)
     d_skipped = skipped(scaler, opt_d)
@@ -260,13 +190,18 @@ def gan_step(gen: Generator, disc: Discriminator, opt_g: torch.optim.Optimizer,
     scaler.step(opt_g)
     g_skipped = skipped(scaler, opt_g)
     scaler.update()  # once: both optimizers of this iteration used the same scale
-    return {"d_loss": d_loss.item(), "g_loss": g_loss.item(),
-            "d_skipped": d_skipped, "g_skipped": g_skipped}
+    return {
+        "d_loss": d_loss.item(),
+        "g_loss": g_loss.item(),
+        "d_skipped": d_skipped,
+        "g_skipped": g_skipped,
+    }
 
 
 @dataclass
 class GanHistory:
     """Chapter 05: what happened at each GAN iteration, ready to plot."""
+
     mode: str = ""
     d_loss: list[float] = field(default_factory=list)
     g_loss: list[float] = field(default_factory=list)
@@ -276,8 +211,15 @@ class GanHistory:
     seconds: float = 0.0
 
 
-def train_gan(images: torch.Tensor, mode: AmpMode, steps: int = 300, batch_size: int = 64, seed: int = 0,
-              lr: float = 1e-3, growth_interval: int = 2000) -> tuple[Generator, Discriminator, GanHistory]:
+def train_gan(
+    images: torch.Tensor,
+    mode: AmpMode,
+    steps: int = 300,
+    batch_size: int = 64,
+    seed: int = 0,
+    lr: float = 1e-3,
+    growth_interval: int = 2000,
+) -> tuple[Generator, Discriminator, GanHistory]:
     """Chapter 05: train the MLP GAN for `steps` iterations on `images` (N, 1, 28, 28) in [-1, 1].
 
     Adam with beta1 = 0.5, as in the DCGAN paper; the models live on images.device. A short
@@ -313,9 +255,16 @@ def image_grid(images: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- gradient penalty
 
-def penalty_backward(model: nn.Module, scaler: torch.amp.GradScaler, x: torch.Tensor,
-                     y: torch.Tensor, mode: AmpMode, weight: float = 0.1,
-                     unscale: bool = True) -> dict:
+
+def penalty_backward(
+    model: nn.Module,
+    scaler: torch.amp.GradScaler,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    mode: AmpMode,
+    weight: float = 0.1,
+    unscale: bool = True,
+) -> dict:
     """Chapter 05: loss + weight * ||d loss / d parameters||, as the AMP examples page does it.
 
     Leaves the scaled gradient of the total in .grad, ready for unscale_ / step / update.
@@ -349,6 +298,7 @@ def penalty_reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor, weight
 
 # --------------------------------------------------------------------------- GPU reference (CLI)
 
+
 def _gan_timing(images: torch.Tensor, mode: AmpMode, batch_size: int, iters: int) -> Timing:
     # One GAN iteration (after warm-up), timed.
     torch.manual_seed(0)
@@ -366,34 +316,51 @@ def format_reference(ref: dict) -> str:
     for r in ref["rows"]:
         t = Timing(r["times_ms"])
         lo, hi = t.quartiles_ms
-        out.append(f"{r['mode']:<20}{r['d_skipped']:>10}{r['g_skipped']:>10}{r['final_scale']:>13g}"
-                   f"{t.median_ms:>14.2f} ({lo:.2f}-{hi:.2f})")
+        out.append(
+            f"{r['mode']:<20}{r['d_skipped']:>10}{r['g_skipped']:>10}{r['final_scale']:>13g}"
+            f"{t.median_ms:>14.2f} ({lo:.2f}-{hi:.2f})"
+        )
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m course_lib.chapters.multi",
-                                description="chapter 05's GAN in fp32, bf16 and fp16 + GradScaler: skips and speed")
+    p = argparse.ArgumentParser(
+        prog="python -m course_lib.chapters.multi",
+        description="chapter 05's GAN in fp32, bf16 and fp16 + GradScaler: skips and speed",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=2000, help="GAN iterations per mode (skipped steps counted)")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--json", help="also write the rows with provenance (data/reference/multi_<gpu>.json)")
     args = p.parse_args(argv)
     from ..data import load_dataset
+
     bundle = load_dataset(verbose=False)
     images = gan_images(bundle.train, bundle.mean[0], bundle.std[0]).to(args.device)
     dev = torch.device(args.device).type
-    modes = [AmpMode(dev, torch.float32, False, "autocast off"), AmpMode(dev, torch.bfloat16, False, "bf16"),
-             amp_mode(args.device)]
+    modes = [
+        AmpMode(dev, torch.float32, False, "autocast off"),
+        AmpMode(dev, torch.bfloat16, False, "bf16"),
+        amp_mode(args.device),
+    ]
     rows = []
     for mode in modes:
         _, _, hist = train_gan(images, mode, steps=args.steps, batch_size=args.batch)
         timing = _gan_timing(images, mode, args.batch, iters=30)
-        rows.append({"mode": mode.name, "d_skipped": sum(hist.d_skipped), "g_skipped": sum(hist.g_skipped),
-                     "final_scale": hist.scale[-1], "d_loss_last": hist.d_loss[-1], "g_loss_last": hist.g_loss[-1],
-                     "d_skipped_at": [i + 1 for i, s in enumerate(hist.d_skipped) if s],
-                     "g_skipped_at": [i + 1 for i, s in enumerate(hist.g_skipped) if s],
-                     "scale_range": [min(hist.scale), max(hist.scale)], "times_ms": timing.times_ms})
+        rows.append(
+            {
+                "mode": mode.name,
+                "d_skipped": sum(hist.d_skipped),
+                "g_skipped": sum(hist.g_skipped),
+                "final_scale": hist.scale[-1],
+                "d_loss_last": hist.d_loss[-1],
+                "g_loss_last": hist.g_loss[-1],
+                "d_skipped_at": [i + 1 for i, s in enumerate(hist.d_skipped) if s],
+                "g_skipped_at": [i + 1 for i, s in enumerate(hist.g_skipped) if s],
+                "scale_range": [min(hist.scale), max(hist.scale)],
+                "times_ms": timing.times_ms,
+            }
+        )
     command = "python -m course_lib.chapters.multi " + " ".join(argv if argv is not None else sys.argv[1:])
     record(command, format_reference({"rows": rows}), args.json, rows=rows, steps=args.steps, batch=args.batch)
     return 0

@@ -11,8 +11,9 @@ import textwrap
 
 import torch
 
-from ..data import load_dataset, make_loader
+from ..data import load_dataset
 from ..device import pick_device
+from ..loaders import make_loader
 from ..models import SimpleCNN
 from ..train import History, TrainConfig, Trainer
 from .bench import mixed_precision_for

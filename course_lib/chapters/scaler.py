@@ -13,6 +13,7 @@ float32 times a double, rounded to float32, and growth fires on an *equality* te
     ref.update(found_inf=True)      # 'backoff': the step was skipped, the scale halved
     python -m course_lib.chapters.scaler --json data/reference/scaler_<gpu>.json   # fp16 run on a GPU
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,13 +34,17 @@ from ..device import pick_device
 from ..models import MLP, SimpleCNN
 from ..reference import record
 
-__all__ = ["f32", "DynamicLossScaler", "torch_trajectory", "simulate", "plot_trajectory",
-           "gradient_sample", "fates", "format_fates", "plot_gradient_histograms", "fp16_run", "fp16_dynamics",
-           "describe_dynamics", "plot_dynamics"]
-
-FP16_MAX = 65504.0
-FP16_TINY = 2.0 ** -14        # smallest normal fp16
-FP16_SUBNORMAL = 2.0 ** -24   # smallest subnormal fp16; |x| <= 2^-25 rounds to 0
+__all__ = [
+    "f32",
+    "DynamicLossScaler",
+    "torch_trajectory",
+    "simulate",
+    "plot_trajectory",
+    "fp16_run",
+    "fp16_dynamics",
+    "describe_dynamics",
+    "plot_dynamics",
+]
 
 
 def f32(x: float) -> float:
@@ -57,7 +62,8 @@ class DynamicLossScaler:
     `scale` is always a float32 value (held in a Python float); `growth_tracker` counts the
     clean update() calls since the last backoff or growth.
     """
-    init_scale: float = 2.0 ** 16
+
+    init_scale: float = 2.0**16
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
@@ -71,7 +77,7 @@ class DynamicLossScaler:
         """Chapter 03: the update() after one step: 'backoff', 'growth', 'capped' or 'count'."""
         if found_inf:  # the step was skipped: back off, restart the count
             self.scale = f32(self.scale * self.backoff_factor)  # float32 x double, rounded to float32
-            self.growth_tracker = 0                              # (no lower bound: it can reach 0)
+            self.growth_tracker = 0  # (no lower bound: it can reach 0)
             return "backoff"
         successful = self.growth_tracker + 1
         if successful == self.growth_interval:  # equality: a tracker past the interval never grows
@@ -100,19 +106,34 @@ class DynamicLossScaler:
 
     def state_dict(self) -> dict:
         """Chapter 03: the same five entries as torch.amp.GradScaler.state_dict()."""
-        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval, "_growth_tracker": self.growth_tracker}
+        return {
+            "scale": self.scale,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "_growth_tracker": self.growth_tracker,
+        }
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "DynamicLossScaler":
         """A scaler continuing from a GradScaler's (or our) state_dict()."""
-        return cls(state["scale"], state["growth_factor"], state["backoff_factor"], state["growth_interval"],
-                   state["_growth_tracker"])
+        return cls(
+            state["scale"],
+            state["growth_factor"],
+            state["backoff_factor"],
+            state["growth_interval"],
+            state["_growth_tracker"],
+        )
 
 
-def torch_trajectory(found_infs: Sequence[bool], init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
-                     backoff_factor: float = 0.5, growth_interval: int = 2000,
-                     growth_tracker: int = 0) -> list[tuple[float, int]]:
+def torch_trajectory(
+    found_infs: Sequence[bool],
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    growth_tracker: int = 0,
+) -> list[tuple[float, int]]:
     """Chapter 03: (scale, growth tracker) after each update() of a real torch.amp.GradScaler("cpu").
 
     A one-parameter model gets an inf gradient where `found_infs` says so and 1.0 elsewhere;
@@ -121,8 +142,13 @@ def torch_trajectory(found_infs: Sequence[bool], init_scale: float = 2.0 ** 16, 
     """
     p = torch.zeros(1, requires_grad=True)
     opt = torch.optim.SGD([p], lr=0.0)
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_factor=growth_factor,
-                                  backoff_factor=backoff_factor, growth_interval=growth_interval)
+    scaler = torch.amp.GradScaler(
+        "cpu",
+        init_scale=init_scale,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+    )
     if growth_tracker:
         scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": growth_tracker})
     out = []
@@ -139,20 +165,24 @@ def torch_trajectory(found_infs: Sequence[bool], init_scale: float = 2.0 ** 16, 
 @dataclass
 class Trajectory:
     """What a dynamic loss scaler did at each step of a run (returned by simulate)."""
-    scale: list[float]     # the scale the step used (before its update)
-    skipped: list[bool]    # the step found inf/NaN and was skipped
-    event: list[str]       # what update() did: backoff, growth, capped, count
-    after: list[float]     # the scale after update()
-    tracker: list[int]     # the growth tracker after update()
+
+    scale: list[float]  # the scale the step used (before its update)
+    skipped: list[bool]  # the step found inf/NaN and was skipped
+    event: list[str]  # what update() did: backoff, growth, capped, count
+    after: list[float]  # the scale after update()
+    tracker: list[int]  # the growth tracker after update()
 
     def summary(self) -> str:
         grown, every = self.event.count("growth"), self.scale + self.after
-        return (f"{len(self.scale)} steps: {sum(self.skipped)} skipped, {grown} growths; scale from "
-                f"{self.scale[0]:g} to {self.after[-1]:g} (range {min(every):g} .. {max(every):g})")
+        return (
+            f"{len(self.scale)} steps: {sum(self.skipped)} skipped, {grown} growths; scale from "
+            f"{self.scale[0]:g} to {self.after[-1]:g} (range {min(every):g} .. {max(every):g})"
+        )
 
 
-def simulate(overflow: Sequence[bool] | Callable[[int, float], bool], steps: int | None = None,
-             **scaler_args) -> Trajectory:
+def simulate(
+    overflow: Sequence[bool] | Callable[[int, float], bool], steps: int | None = None, **scaler_args
+) -> Trajectory:
     """Chapter 03: run DynamicLossScaler over `steps` steps.
 
     `overflow` is a list of booleans (step i found inf/NaN) or a function (step, scale) -> bool,
@@ -171,8 +201,14 @@ def simulate(overflow: Sequence[bool] | Callable[[int, float], bool], steps: int
     return t
 
 
-def plot_trajectory(ax, scale: Sequence[float], skipped: Sequence[bool], label: str = "loss scale",
-                    color: str = "C0", steps: Sequence[int] | None = None) -> None:
+def plot_trajectory(
+    ax,
+    scale: Sequence[float],
+    skipped: Sequence[bool],
+    label: str = "loss scale",
+    color: str = "C0",
+    steps: Sequence[int] | None = None,
+) -> None:
     """Chapter 03: the scale each step used (a step line, log2 axis), its skipped steps marked × in its colour."""
     steps = list(range(1, len(scale) + 1)) if steps is None else list(steps)
     ax.step(steps, scale, where="post", color=color, label=label)
@@ -186,101 +222,19 @@ def plot_trajectory(ax, scale: Sequence[float], skipped: Sequence[bool], label: 
     ax.legend(loc="best", fontsize=8)
 
 
-# --------------------------------------------------------------------------- underflow on real gradients
-
-def gradient_sample(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                    loss_fn: Callable = F.cross_entropy) -> dict[str, torch.Tensor]:
-    """Chapter 03: every gradient value one fp32 forward and backward of `model` on (x, y) makes.
-
-    'activations': dL/d(output) of every leaf module, what an fp16 backward hands from layer
-    to layer; 'parameters': every .grad. Flat float32 tensors, zeros included.
-    """
-    acts: list[torch.Tensor] = []
-
-    def keep(mod: nn.Module, args: tuple, out: object) -> None:
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda g: acts.append(g.detach().flatten().float()))
-
-    handles = [m.register_forward_hook(keep) for m in model.modules() if not list(m.children())]
-    try:
-        model.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
-    finally:
-        for h in handles:
-            h.remove()
-    params = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    return {"activations": torch.cat(acts), "parameters": params}
-
-
-def fates(values: torch.Tensor, scales: Sequence[float] = (1.0,), dtype: torch.dtype = torch.float16) -> list[dict]:
-    """Chapter 03: the non-zero `values` times each scale, stored in `dtype`: the fractions that become 0,
-    land among the subnormals (fewer significant bits), stay normal, or overflow to inf.
-
-    The product is computed as GradScaler's `scale()` computes it: a float32 times the scale held as a
-    float32, rounded once to float32, then stored in `dtype`. (A float64 product would be rounded to
-    float64, then to float32 by torch's conversion, then to `dtype`: near a threshold that can differ
-    when the scale is not a float32 number, e.g. 1e-3.) The row's "scale" is that float32 scale.
-    """
-    v = values[values != 0].float()
-    tiny, rows = torch.finfo(dtype).tiny, []
-    for s in map(f32, scales):  # GradScaler's scale is a float32 tensor
-        h = (v * torch.tensor(s, dtype=torch.float32)).to(dtype).abs()  # float32 x float32 -> float32 -> dtype
-        zero, inf = int((h == 0).sum()), int(torch.isinf(h).sum())
-        sub = int(((h > 0) & (h < tiny)).sum())
-        n = max(1, v.numel())
-        rows.append({"scale": float(s), "n": v.numel(), "zero": zero / n, "subnormal": sub / n,
-                     "normal": (v.numel() - zero - inf - sub) / n, "overflow": inf / n})
-    return rows
-
-
-def _pow2(s: float) -> str:
-    e = math.log2(s) if s > 0 else math.nan
-    return f"2^{int(e)}" if e == int(e) else f"{s:g}"
-
-
-def format_fates(rows: Sequence[dict], dtype: torch.dtype = torch.float16) -> str:
-    """Chapter 03: fates() as a table, in percent of the non-zero values."""
-    name = str(dtype).removeprefix("torch.")
-    out = [f"{'scale':>8}  {'become 0':>9} {'subnormal':>10} {'normal':>8} {'overflow':>9}   "
-           f"(% of {rows[0]['n']:,} non-zero values, in {name})"]
-    for r in rows:
-        out.append(f"{_pow2(r['scale']):>8}  {100 * r['zero']:>9.3f} {100 * r['subnormal']:>10.3f} "
-                   f"{100 * r['normal']:>8.3f} {100 * r['overflow']:>9.3f}")
-    return "\n".join(out)
-
-
-def plot_gradient_histograms(samples: dict[str, torch.Tensor], scales: Sequence[float] = (1.0, 2.0 ** 16)):
-    """Chapter 03: histograms of log2|gradient × scale| against fp16's ranges, one panel per scale."""
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(scales), figsize=(6 * len(scales), 3.8), sharey=True, squeeze=False)
-    bins = np.arange(-44, 30.5, 0.5)
-    for ax, s in zip(axes[0], scales):
-        ax.axvspan(bins[0], -25, color="0.55", alpha=0.35, label="rounds to 0 in fp16")
-        ax.axvspan(-25, -14, color="C1", alpha=0.18, label="fp16 subnormal")
-        ax.axvspan(-14, math.log2(FP16_MAX), color="C2", alpha=0.12, label="fp16 normal")
-        ax.axvspan(16, bins[-1], color="C3", alpha=0.18, label="overflows to inf")
-        for i, (name, v) in enumerate(samples.items()):
-            nz = v[v != 0].double().abs() * s
-            hist, _ = np.histogram(torch.log2(nz).numpy(), bins=bins)
-            ax.step(bins[:-1], 100 * hist / max(1, nz.numel()), where="post", color=f"C{i * 4}", lw=1.5,
-                    label=f"{name} ({nz.numel():,})")
-        ax.set_xlabel("log2 |gradient × scale|" + ("" if s == 1 else f"   (scale {_pow2(s)})"))
-        ax.set_title(f"scale {_pow2(s)}")
-        ax.set_xlim(bins[0], bins[-1])
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("share of non-zero values (% per 0.5 bin)")
-    axes[0][0].legend(loc="upper left", fontsize=7.5)
-    fig.tight_layout()
-    return fig
-
-
 # --------------------------------------------------------------------------- a real fp16 run (GPU reference)
 
-def fp16_run(model: nn.Module, optimizer: torch.optim.Optimizer,
-             batches: Sequence[tuple[torch.Tensor, torch.Tensor]] | Callable[[int], tuple], steps: int,
-             loss_factor: float = 1.0, init_scale: float = 2.0 ** 16, growth_interval: int = 2000,
-             clip: float | None = None) -> dict[str, list]:
+
+def fp16_run(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]] | Callable[[int], tuple],
+    steps: int,
+    loss_factor: float = 1.0,
+    init_scale: float = 2.0**16,
+    growth_interval: int = 2000,
+    clip: float | None = None,
+) -> dict[str, list]:
     """Chapter 03: `steps` plain fp16 steps (autocast, GradScaler, unscale_, optional clip, step, update).
 
     `batches`: a list (cycled) or a function step -> (x, y); the loss is `loss_factor` x cross
@@ -303,8 +257,9 @@ def fp16_run(model: nn.Module, optimizer: torch.optim.Optimizer,
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else math.inf)
         scaler.step(optimizer)
         scaler.update()
-        moved = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.detach() - b)
-                                                      for p, b in zip(params, before)]))
+        moved = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(p.detach() - b) for p, b in zip(params, before)])
+        )
         out["scale"].append(used)
         out["skipped"].append(scaler.get_scale() < used)  # update() lowers the scale exactly after an overflow
         out["grad_norm"].append(norm.item())
@@ -313,9 +268,16 @@ def fp16_run(model: nn.Module, optimizer: torch.optim.Optimizer,
     return out
 
 
-def fp16_dynamics(device: str | None = None, model: str = "simplecnn", steps: int = 2000, batch_size: int = 128,
-                  init_scale: float = 2.0 ** 16, growth_interval: int = 50, lr: float = 1e-3,
-                  seed: int = 0) -> dict:
+def fp16_dynamics(
+    device: str | None = None,
+    model: str = "simplecnn",
+    steps: int = 2000,
+    batch_size: int = 128,
+    init_scale: float = 2.0**16,
+    growth_interval: int = 50,
+    lr: float = 1e-3,
+    seed: int = 0,
+) -> dict:
     """Chapter 03: fp16_run on Fashion-MNIST (AdamW, random batches) with a short growth interval, then the
     skip pattern replayed through DynamicLossScaler: does it reproduce every scale bit for bit? Sized for a GPU."""
     dev = pick_device(device or "auto")
@@ -326,14 +288,29 @@ def fp16_dynamics(device: str | None = None, model: str = "simplecnn", steps: in
     g = torch.Generator().manual_seed(seed)
     order = [torch.randint(0, len(ys), (batch_size,), generator=g).to(dev) for _ in range(steps)]
     t0 = time.perf_counter()
-    run = fp16_run(net, torch.optim.AdamW(net.parameters(), lr=lr), lambda i: (xs[order[i]], ys[order[i]]), steps,
-                   init_scale=init_scale, growth_interval=growth_interval)
+    run = fp16_run(
+        net,
+        torch.optim.AdamW(net.parameters(), lr=lr),
+        lambda i: (xs[order[i]], ys[order[i]]),
+        steps,
+        init_scale=init_scale,
+        growth_interval=growth_interval,
+    )
     seconds = time.perf_counter() - t0
     replay = simulate(run["skipped"], init_scale=init_scale, growth_interval=growth_interval)
-    return {"model": model, "device": str(dev), "steps": steps, "batch_size": batch_size, "init_scale": init_scale,
-            "growth_interval": growth_interval, "scale": run["scale"], "skipped": run["skipped"],
-            "loss": run["loss"], "seconds": seconds,
-            "replay_identical": replay.scale == run["scale"]}
+    return {
+        "model": model,
+        "device": str(dev),
+        "steps": steps,
+        "batch_size": batch_size,
+        "init_scale": init_scale,
+        "growth_interval": growth_interval,
+        "scale": run["scale"],
+        "skipped": run["skipped"],
+        "loss": run["loss"],
+        "seconds": seconds,
+        "replay_identical": replay.scale == run["scale"],
+    }
 
 
 def describe_dynamics(run: dict) -> str:
@@ -341,16 +318,19 @@ def describe_dynamics(run: dict) -> str:
     n, skipped, scale = run["steps"], run["skipped"], run["scale"]
     first = [i + 1 for i, k in enumerate(skipped) if k][:8]
     loss = run["loss"]
-    head, tail = np.mean(loss[: max(1, n // 20)]), np.mean(loss[-max(1, n // 20):])
-    return "\n".join([
-        f"{run['model']} on {run['device']}, fp16 autocast + GradScaler(init_scale={run['init_scale']:g}, "
-        f"growth_interval={run['growth_interval']}), batch {run['batch_size']}",
-        f"{n} steps in {run['seconds']:.1f} s: {sum(skipped)} skipped ({100 * sum(skipped) / n:.1f}%), "
-        f"first at steps {first}",
-        f"scale: first {scale[0]:g}, largest {max(scale):g} (2^{math.log2(max(scale)):.0f}), last {scale[-1]:g}",
-        f"loss: mean of the first 5% of steps {head:.3f}, of the last 5% {tail:.3f}",
-        f"DynamicLossScaler replaying the skip pattern reproduces every scale bit for bit: {run['replay_identical']}",
-    ])
+    head, tail = np.mean(loss[: max(1, n // 20)]), np.mean(loss[-max(1, n // 20) :])
+    return "\n".join(
+        [
+            f"{run['model']} on {run['device']}, fp16 autocast + GradScaler(init_scale={run['init_scale']:g}, "
+            f"growth_interval={run['growth_interval']}), batch {run['batch_size']}",
+            f"{n} steps in {run['seconds']:.1f} s: {sum(skipped)} skipped ({100 * sum(skipped) / n:.1f}%), "
+            f"first at steps {first}",
+            f"scale: first {scale[0]:g}, largest {max(scale):g} (2^{math.log2(max(scale)):.0f}), last {scale[-1]:g}",
+            f"loss: mean of the first 5% of steps {head:.3f}, of the last 5% {tail:.3f}",
+            "DynamicLossScaler replaying the skip pattern reproduces every scale bit for bit: "
+            f"{run['replay_identical']}",
+        ]
+    )
 
 
 def plot_dynamics(run: dict, ax=None):
@@ -360,14 +340,17 @@ def plot_dynamics(run: dict, ax=None):
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 3.5))
     plot_trajectory(ax, run["scale"], run["skipped"], label=f"GradScaler scale, {run['model']} on {run['device']}")
-    ax.set_title(f"fp16 training: the scale climbs every {run['growth_interval']} clean steps "
-                 "and backs off at each overflow")
+    ax.set_title(
+        f"fp16 training: the scale climbs every {run['growth_interval']} clean steps and backs off at each overflow"
+    )
     return ax
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m course_lib.chapters.scaler",
-                                description="fp16 training with GradScaler: the scale and skipped steps at every step")
+    p = argparse.ArgumentParser(
+        prog="python -m course_lib.chapters.scaler",
+        description="fp16 training with GradScaler: the scale and skipped steps at every step",
+    )
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--model", default="simplecnn", choices=["simplecnn", "mlp"])
     p.add_argument("--steps", type=int, default=2000)

@@ -23,8 +23,9 @@ import warnings
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from ..data import SeededSampler, load_dataset, make_loader
+from ..data import load_dataset
 from ..device import pick_device, recommend_precision
+from ..loaders import SeededSampler, make_loader
 from ..models import MLP
 from ..train import AMP_DTYPES, amp_step
 

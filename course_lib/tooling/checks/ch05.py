@@ -179,7 +179,7 @@ class FixTwoModels(Check):
         "scaler.unscale_(opt0); clip model0's gradients; scaler.step(opt0); scaler.step(opt1); "
         "scaler.update() once, last. Everything after the losses runs outside the autocast block."
     )
-    forbidden = ("course_lib.chapters.multi",)
+    forbidden = ("course_lib.chapters.multi", "course_lib.chapters.article_two_models")
     forbidden_why = "fix the loop yourself instead of calling chapter 05's two_model_step"
     time_limit = 60.0
 

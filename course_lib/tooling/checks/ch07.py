@@ -18,7 +18,7 @@ import threading
 
 from torch.utils.data import DataLoader
 
-from ...chapters import loading
+from ...chapters import data_wait, loading
 from ...data import load_dataset
 from ..grading import Check, CheckFailure, in_fresh_process, register
 from ..probes.ch07 import KEYS
@@ -130,7 +130,7 @@ def reference_settings(case: dict) -> dict:
     """The grader's own answer: enough workers to keep up, within the cores there are."""
     return {
         "batch_size": case["batch_size"],
-        "num_workers": min(max(case["cpus"], 1), loading.workers_needed(case["load_ms"], case["step_ms"])),
+        "num_workers": min(max(case["cpus"], 1), data_wait.workers_needed(case["load_ms"], case["step_ms"])),
     }
 
 
@@ -160,9 +160,9 @@ def measure_in_fresh_process(case: dict, settings: dict) -> tuple[float, float |
 
 def wait_fraction(settings: dict, step_ms: float) -> float:
     """Build the loader in this process and measure the fraction of the loop's time spent in next()."""
-    with loading.quiet_loader_warnings():
+    with data_wait.quiet_loader_warnings():
         loader = DataLoader(_dataset(), **settings)
-        return loading.measure_loader(loader, loading.simulated_step(step_ms), steps=STEPS).wait_fraction
+        return data_wait.measure_loader(loader, data_wait.simulated_step(step_ms), steps=STEPS).wait_fraction
 
 
 @register
@@ -178,10 +178,10 @@ class LoaderSettings(Check):
     time_limit = 30.0
 
     def cases(self, rng: random.Random) -> list:
-        n = loading.cpus()
+        n = data_wait.cpus()
         with _MEASURING:  # one core's cost per image of the grader's augmentation, on this machine, now
             probe = DataLoader(_dataset(), batch_size=32)
-            run = loading.measure_loader(probe, loading.simulated_step(0), steps=8, warmup=1)
+            run = data_wait.measure_loader(probe, data_wait.simulated_step(0), steps=8, warmup=1)
         per_image_ms = run.step.median_ms / 32
         out = []
         for batch_size in (rng.choice([24, 32, 40]), rng.choice([48, 56, 64])):
@@ -224,7 +224,7 @@ class LoaderSettings(Check):
         for case, got in zip(cases, results, strict=True):  # respond() gives one result per case
             settings = validate(got, case)
             try:
-                with loading.quiet_loader_warnings():
+                with data_wait.quiet_loader_warnings():
                     DataLoader(_dataset(), **settings)
             except (ValueError, TypeError) as e:
                 raise CheckFailure(f"DataLoader refused the settings {settings!r}: {e}") from None
