@@ -36,7 +36,15 @@ from .matmul import matmul_tflops, peak_tflops, tf32
 from .rungs import Rung, _with_speedup, climb, course_ladder, format_rows
 from .targets import format_targets, targets
 
-__all__ = ["GPT_RUNGS", "resnet50_ladder", "largest_batch", "gpt_ladder", "optimizer_table", "checkpointing_table"]
+__all__ = [
+    "GPT_RUNGS",
+    "resnet50_ladder",
+    "largest_batch",
+    "gpt_ladder",
+    "matmul_ceiling",
+    "optimizer_table",
+    "checkpointing_table",
+]
 
 
 # --------------------------------------------------------------------------- ResNet-50
