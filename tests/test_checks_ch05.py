@@ -139,12 +139,33 @@ def test_a_hard_coded_answer_fails():
 
 
 def test_calling_the_chapters_loop_is_refused():
+    # The learner builds the autocast mode themselves, so the one call into the library is the
+    # chapter's loop: the refusal must come from two_model_step, not from constructing AmpMode.
+    shortcut = notebook_function('''
+class Mode:
+    def __init__(self, dtype):
+        self.dtype = dtype
+    def autocast(self):
+        return torch.autocast("cpu", dtype=self.dtype)
+
+def train_two_models(model0, model1, opt0, opt1, scaler, batches, max_norm, dtype):
+    for x, y in batches:
+        article_two_models.two_model_step(model0, model1, opt0, opt1, scaler, x, y, Mode(dtype), max_norm)
+''', article_two_models=article_two_models)
+    status, message = verdict(shortcut)
+    assert status == "failed", message
+    assert "course_lib.chapters.article_two_models.two_model_step" in message
+    assert "fix the loop yourself" in message
+
+
+def test_building_the_chapters_amp_mode_is_refused_too():
     shortcut = notebook_function('''
 def train_two_models(model0, model1, opt0, opt1, scaler, batches, max_norm, dtype):
     mode = multi.AmpMode("cpu", dtype, True, "")
     for x, y in batches:
-        article_two_models.two_model_step(model0, model1, opt0, opt1, scaler, x, y, mode, max_norm)
-''', multi=multi, article_two_models=article_two_models)
+        with mode.autocast():
+            pass
+''', multi=multi)
     status, message = verdict(shortcut)
     assert status == "failed" and "course_lib.chapters.multi" in message
 
