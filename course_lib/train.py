@@ -253,6 +253,9 @@ class Trainer:
     def fit(self, loader: torch.utils.data.DataLoader, eval_loader: Iterable | None = None) -> History:
         """Chapter 00: train for cfg.epochs (or cfg.max_steps) and return the History.
 
+        With an `eval_loader`, evaluates after each epoch and once more where cfg.max_steps ends
+        the run mid-epoch (History.eval records the epoch and step of each evaluation).
+
         Resumable: after load_checkpoint() it continues at the exact micro-batch it stopped,
         because the sampler's order depends only on (seed, epoch) (see loaders.SeededSampler).
         A last partial accumulation group of an epoch is dropped, like drop_last.
@@ -279,10 +282,10 @@ class Trainer:
                     bar.set_postfix(loss=f"{self.history.loss[-1]:.3f}", scale=self.history.scale[-1])
                 if cfg.checkpoint_path and cfg.checkpoint_every and self.step_count % cfg.checkpoint_every == 0:
                     self.save_checkpoint(cfg.checkpoint_path)
+            if eval_loader is not None:  # at the end of each epoch, and where a step budget stops the run
+                self.history.eval.append(self.evaluate(eval_loader))
             if len(loader) - self.batch_in_epoch >= accum:
                 break  # step budget reached mid-epoch: stay at this micro-batch, resumable
-            if eval_loader is not None:
-                self.history.eval.append(self.evaluate(eval_loader))
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
         self._flush()
         bar.close()

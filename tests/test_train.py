@@ -133,6 +133,19 @@ def test_fit_returns_history_with_eval_and_checkpoint(tmp_path):
     assert "fp32 on cpu: 8 steps" in hist.summary() and len(hist.summary()) <= 100  # one notebook line
 
 
+def test_a_step_budget_that_ends_the_run_mid_epoch_still_evaluates():
+    # chapter 00 trains for max_steps < one epoch and prints the accuracy: it must exist
+    ds = data(64)
+    cfg = TrainConfig(precision="fp32", device="cpu", epochs=1, max_steps=3, progress=False)
+    torch.manual_seed(0)
+    trainer, hist = train(MLP(in_features=64, hidden=32), make_loader(ds, 16), cfg,
+                          eval_loader=make_loader(ds, 32, shuffle=False))
+    assert len(hist.step) == 3
+    assert [(e["epoch"], e["step"]) for e in hist.eval] == [(0, 3)]
+    assert "eval accuracy" in hist.summary()
+    assert trainer.batch_in_epoch == 3  # still mid-epoch: a resumed fit goes on from micro-batch 3
+
+
 def test_auto_precision_is_the_device_policy():
     from course_lib.device import recommend_precision
     assert make("auto").precision == recommend_precision("cpu").precision
