@@ -289,10 +289,13 @@ def _has_keys(x: object, keys: set[str], depth: int = 4) -> bool:
 def _divided_by_scale(roots: list[torch.Tensor], pending: dict[int, tuple]) -> bool:
     """In the graph of `roots` (chapter 05), is each of autograd.grad's scaled gradients (`pending`) used only
     multiplied by 1 / scale (or divided by the scale), as the AMP examples page's gradient penalty does?"""
-    todo, seen = [t.grad_fn for t in roots if t.grad_fn is not None], set()
+    # `seen` holds the visited nodes themselves, not only their id(): before torch 2.13 a node's Python
+    # wrapper is freed once nothing holds it, and the next wrapper next_functions makes can reuse its
+    # address, so an id-only set took unvisited nodes for seen and missed the penalty's edge.
+    todo, seen = [t.grad_fn for t in roots if t.grad_fn is not None], {}
     while todo and len(seen) < 100_000:
         if id(node := todo.pop()) not in seen:
-            seen.add(id(node))
+            seen[id(node)] = node
             nxt = [n for n, _ in node.next_functions if n is not None]
             if any(id(n) in pending and not _times(node, 1 / pending[id(n)][1]) for n in nxt):
                 return False
