@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for issue 32 (docs/gpu.md): the GPU studies, exclusive on the GPU, then the GPU tier
 # in lanes whose JUnit files give every notebook's seconds per cell.
-#   source .gpu/enter.sh && DEADLINE=570 bash tools/gpu-study.sh
+#   source .gpu/enter.sh && bash tools/gpu-study.sh
 # Phase 1 (one at a time, timings): tools/gpu_study.py roofline, memory, questions, fp8gpt (torchao
 #   from .gpu/alt/, the first version whose float8 training imports and runs).
 # Phase 2 (side by side): the ten chapters in three nbval lanes (4 CPU threads each) and
@@ -9,8 +9,8 @@
 # Everything comes back as $OUT/gpu-study.tgz (data/reference/*.json and the logs).
 set -u
 T0=$SECONDS
-DEADLINE=${DEADLINE:-570}
-PHASE2_AT=${PHASE2_AT:-330}
+DEADLINE=${DEADLINE:-580}
+PHASE2_AT=${PHASE2_AT:-360}
 OUT=${OUT:-/tmp/gpu-out}
 LOGS=$OUT/logs
 mkdir -p "$LOGS" data/reference
@@ -35,7 +35,7 @@ study() {  # name cap [args...]
 }
 study roofline 60
 study memory 80
-study questions 170
+study questions 190 --deadline 110
 # torchao: the newest carried wheel whose float8 training runs on this torch
 for whl in $(ls -r .gpu/alt/torchao-*.whl 2>/dev/null); do
   rm -rf /tmp/ao && python3 -m pip install -q --no-index --no-deps --target /tmp/ao "$whl" >/dev/null 2>&1

@@ -144,27 +144,26 @@ def op_table(trace: dict, steps: int, top: int = 60) -> list[dict]:
     # kineto links a kernel to the op on top of the stack at its launch by "External id"; the launch
     # (cudaLaunchKernel) shares the kernel's "correlation" and is the fallback
     by_ext = {o.get("args", {}).get("External id"): o for o in ops if o.get("args", {}).get("External id") is not None}
-    launches = [e for e in evs if e.get("cat") in ("cuda_runtime", "cuda_driver")]
-    # innermost op around each launch: sweep the ops per thread
+    kernels = [k for k in evs if k.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    missing = {
+        k.get("args", {}).get("correlation") for k in kernels if k.get("args", {}).get("External id") not in by_ext
+    }
     by_tid: dict = defaultdict(list)
     for o in ops:
         by_tid[o.get("tid")].append(o)
     corr_op: dict = {}
-    for ln in launches:
-        inner = None
-        for o in by_tid.get(ln.get("tid"), ()):
-            if o["ts"] <= ln["ts"] and ln["ts"] + ln["dur"] <= o["ts"] + o["dur"] + 1e-3:
-                if inner is None or o["dur"] <= inner["dur"]:
-                    inner = o
-        if inner is not None:
-            corr_op[ln.get("args", {}).get("correlation")] = inner
+    for ln in (e for e in evs if e.get("cat") in ("cuda_runtime", "cuda_driver")):
+        if ln.get("args", {}).get("correlation") not in missing:
+            continue
+        around = [o for o in by_tid.get(ln.get("tid"), ()) if o["ts"] <= ln["ts"] <= o["ts"] + o["dur"]]
+        if around:  # the innermost op around the launch
+            corr_op[ln["args"]["correlation"]] = min(around, key=lambda o: o["dur"])
     dev_us: dict[int, float] = defaultdict(float)
-    for k in evs:
-        if k.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
-            a = k.get("args", {})
-            o = by_ext.get(a.get("External id")) or corr_op.get(a.get("correlation"))
-            if o is not None:
-                dev_us[id(o)] += k["dur"]
+    for k in kernels:
+        a = k.get("args", {})
+        o = by_ext.get(a.get("External id")) or corr_op.get(a.get("correlation"))
+        if o is not None:
+            dev_us[id(o)] += k["dur"]
     rows: dict[tuple, dict] = {}
     for o in ops:
         us = dev_us.get(id(o), 0.0) if CUDA else o["dur"]
