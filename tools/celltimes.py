@@ -10,6 +10,8 @@ its first line, so a chapter's cost can be read cell by cell (issue 26: sizing f
 from __future__ import annotations
 
 import argparse
+import json
+import platform
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -17,7 +19,7 @@ from pathlib import Path
 import nbformat
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from course_lib.reference import record  # noqa: E402
+from course_lib.reference import provenance  # noqa: E402
 
 
 def cell_times(junit_files: list[str], root: Path) -> dict[str, dict]:
@@ -61,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("junit", nargs="+")
     p.add_argument("--json")
     p.add_argument("--note", default="", help="how the notebooks ran (workers side by side, threads)")
+    p.add_argument(
+        "--device-of",
+        help="a reference JSON recorded on the machine that ran the notebooks: its device, torch, CUDA and date "
+        "are this file's (when the JUnit files are combined elsewhere)",
+    )
     args = p.parse_args(argv)
     times = cell_times(args.junit, Path(__file__).resolve().parents[1])
     lines = []
@@ -71,7 +78,17 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"cell {c.get('cell', '?')} {c['seconds']:.1f} s" for c in slow)
         )
     command = "python tools/celltimes.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    record(command, "\n".join(lines), args.json, note=args.note, notebooks=times)
+    prov = provenance(command)
+    if args.device_of:
+        ran = json.loads(Path(args.device_of).read_text())["provenance"]
+        prov = {**prov, **{k: ran[k] for k in ("device", "torch", "cuda", "cudnn", "python", "date")}}
+        prov["combined_on"] = platform.node() or "another machine"
+    print(f"{prov['device']} | torch {prov['torch']} | CUDA {prov['cuda']} | {prov['date']}")
+    print("\n".join(lines))
+    if args.json:
+        payload = {"provenance": prov, "note": args.note, "notebooks": times}
+        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 
