@@ -50,18 +50,8 @@ SHIPPED_LAYOUT = {  # key -> (shape, dtype)
     "classes": ((10,), np.dtype("<U11")),
 }
 DATASETS = ("fashion_mnist", "cifar10", "synthetic")
-FASHION_CLASSES = [
-    "T-shirt/top",
-    "Trouser",
-    "Pullover",
-    "Dress",
-    "Coat",
-    "Sandal",
-    "Shirt",
-    "Sneaker",
-    "Bag",
-    "Ankle boot",
-]
+FASHION_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+                   "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]  # fmt: skip
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 # Per-channel statistics of the full training splits. Every Fashion-MNIST source uses the same
 # numbers, so a model trained on the subset sees the same input scale as one on the full set.

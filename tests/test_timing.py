@@ -30,14 +30,28 @@ def test_compare_names_the_faster_by_its_factor_and_admits_when_the_spread_hides
     assert all(len(line) <= 100 for line in text.splitlines())
 
 
-def test_saved_activation_bytes_halve_under_bf16_autocast_and_count_per_dtype():
+def test_saved_bytes_tell_activations_autocast_weight_copies_and_existing_tensors_apart():
     lin = torch.nn.Linear(256, 256)
-    x = torch.randn(64, 256, requires_grad=True)
-    fp32 = timing.saved_activation_bytes(lambda: lin(x).relu().sum())
+    x = torch.randn(64, 256, requires_grad=True)  # a leaf that requires grad, but no parameter
+
+    def forward():
+        return lin(x).relu().sum()
+
+    fp32 = timing.saved_bytes_by_kind(forward)
+    # fp32: Linear saves its input and its weight, which both existed before; ReLU saves its output
+    assert fp32["activations"] == {torch.float32: 64 * 256 * 4}
+    assert fp32["weight copies"] == {}
+    assert fp32["existing"] == {torch.float32: 256 * 256 * 4 + 64 * 256 * 4}
+    assert timing.saved_activation_bytes(forward) == 64 * 256 * 4
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        by_dtype = timing.saved_tensor_bytes(lambda: lin(x).relu().sum())
-    assert fp32 > 0 and sum(by_dtype.values()) < 0.75 * fp32
-    assert by_dtype[torch.bfloat16] > 0
+        low = timing.saved_bytes_by_kind(forward)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a new region: the last one's cast cache is gone
+        cost = timing.saved_tensor_bytes(forward)
+    # autocast: the input's bf16 cast and ReLU's output are new activations, the weight's cast a copy
+    assert low["activations"] == {torch.bfloat16: 2 * 64 * 256 * 2}
+    assert low["weight copies"] == {torch.bfloat16: 256 * 256 * 2}
+    assert low["existing"] == {}
+    assert cost == {torch.bfloat16: 2 * 64 * 256 * 2 + 256 * 256 * 2}  # what the saved tensors cost
 
 
 def test_peak_memory_is_none_off_cuda_but_the_function_still_runs():

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..models import build_model
 from ..reference import record
-from ..timing import peak_memory_bytes, saved_tensor_bytes, time_fn
+from ..timing import StorageOrigins, peak_memory_bytes, saved_tensor_bytes, time_fn
 from ..train import AMP_DTYPES, amp_step
 
 __all__ = [
@@ -189,12 +189,16 @@ class _Held:
 def peak_saved_bytes(fn: Callable[[], object]) -> int:
     """Chapter 04: the most bytes autograd held for backward at any one time while `fn` ran.
 
-    Like course_lib.timing.saved_tensor_bytes (each storage counted once), but a tensor stops
+    Like course_lib.timing.saved_tensor_bytes (each storage counted once; what existed before `fn`,
+    the parameters and the input batches, costs nothing and is not counted), but a tensor stops
     counting when autograd lets go of it, after the backward that used it.
     """
     live: dict = {"count": {}, "bytes": 0, "peak": 0}
+    origins = StorageOrigins()
 
-    def pack(t: torch.Tensor) -> _Held:
+    def pack(t: torch.Tensor) -> _Held | torch.Tensor:
+        if origins.kind(t) == "existing":
+            return t.detach()
         s = t.untyped_storage()
         key = (s.data_ptr(), s.nbytes())
         live["count"][key] = live["count"].get(key, 0) + 1
@@ -203,7 +207,10 @@ def peak_saved_bytes(fn: Callable[[], object]) -> int:
             live["peak"] = max(live["peak"], live["bytes"])
         return _Held(t.detach(), key, live)  # not `t`: see course_lib.timing.saved_tensor_bytes
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.tensor):
+    def unpack(held: _Held | torch.Tensor) -> torch.Tensor:
+        return held.tensor if isinstance(held, _Held) else held
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack), origins:
         fn()
     return live["peak"]
 

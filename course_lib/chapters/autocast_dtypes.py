@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..models import MLP
 from ..reference import record
-from ..timing import peak_memory_bytes, saved_tensor_bytes
+from ..timing import peak_memory_bytes, saved_bytes_by_kind
 from .autocast_dispatch import short
 from .autocast_policy import LOW_PRECISION
 
@@ -41,6 +41,7 @@ __all__ = [
     "mlp_memory_rows",
     "format_memory_rows",
     "read_memory_rows",
+    "cpu_fp16_flags",
     "REGION_LAYOUTS",
     "after_step_in_region",
     "losses_by_layout",
@@ -123,11 +124,13 @@ def memory_comparison(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
     dtype: torch.dtype | None = None,
 ) -> dict[str, dict]:
-    """Chapter 02: one forward + backward in fp32 and under autocast, and what each keeps.
+    """Chapter 02: one forward + backward in fp32 and under autocast, and what each keeps for backward.
 
-    For each mode: `saved` = bytes autograd saves for backward (any device, via
-    course_lib.timing.saved_tensor_bytes), `saved_by_dtype`, and `peak` = peak CUDA memory
-    of the whole step (None off CUDA). Gradients are reset to None before each run.
+    For each mode, in bytes (course_lib.timing.saved_bytes_by_kind, any device): `activations`
+    (computed in the forward), `weight_copies` (autocast's 16-bit casts of the parameters, new memory),
+    `existing` (saved tensors that existed before: parameters, the input batch; no new memory),
+    `activations_by_dtype`; and `peak` = peak CUDA memory of the whole step (None off CUDA).
+    Gradients are reset to None before each run.
     """
     dev = x.device
     dtype = dtype or torch.get_autocast_dtype(dev.type)
@@ -140,7 +143,7 @@ def memory_comparison(
             with torch.autocast(dev.type, dtype=dtype, enabled=enabled):
                 losses.append(loss_fn(model(x), target))
 
-        by_dtype = saved_tensor_bytes(forward)
+        kinds = saved_bytes_by_kind(forward)
         losses.clear()  # drop both graphs before measuring the peak of a clean step
         model.zero_grad(set_to_none=True)
 
@@ -150,9 +153,11 @@ def memory_comparison(
 
         peak = peak_memory_bytes(step, dev)
         out[name] = {
-            "saved": sum(by_dtype.values()),
+            "activations": sum(kinds["activations"].values()),
+            "weight_copies": sum(kinds["weight copies"].values()),
+            "existing": sum(kinds["existing"].values()),
+            "activations_by_dtype": {short(k): v for k, v in kinds["activations"].items()},
             "peak": peak,
-            "saved_by_dtype": {short(k): v for k, v in by_dtype.items()},
         }
     model.zero_grad(set_to_none=True)
     return out
@@ -166,7 +171,9 @@ def mlp_memory_rows(
 ) -> list[dict]:
     """Chapter 02: memory_comparison on the AMP recipe's MLP (3 x 4096 wide, batch 512), per dtype.
 
-    One row per low-precision dtype, sizes in MiB; `peak_*` is None off CUDA.
+    One row per low-precision dtype, sizes in MiB: the activations saved in fp32 and under autocast,
+    the weight copies autocast saves, what the saved tensors reference that existed before (fp32), and
+    the step's peak in each mode (`peak_*` None off CUDA).
     """
     rows = []
     for dtype in dtypes:
@@ -178,8 +185,12 @@ def mlp_memory_rows(
         rows.append(
             {
                 "dtype": low,
-                "saved_fp32": m["fp32"]["saved"] / mib,
-                "saved_low": m[low]["saved"] / mib,
+                "width": width,
+                "batch": batch,
+                "activations_fp32": m["fp32"]["activations"] / mib,
+                "activations_low": m[low]["activations"] / mib,
+                "weight_copies_low": m[low]["weight_copies"] / mib,
+                "existing_fp32": m["fp32"]["existing"] / mib,
                 "peak_fp32": m["fp32"]["peak"] / mib if m["fp32"]["peak"] else None,
                 "peak_low": m[low]["peak"] / mib if m[low]["peak"] else None,
             }
@@ -189,43 +200,53 @@ def mlp_memory_rows(
 
 
 def format_memory_rows(rows: Sequence[dict]) -> str:
-    """Chapter 02: mlp_memory_rows as a table (MiB; a ratio is low precision / fp32)."""
-    out = [
-        f"{'autocast':<10}{'saved fp32':>12}{'saved low':>11}{'ratio':>7}{'peak fp32':>12}{'peak low':>10}{'ratio':>7}"
-    ]
+    """Chapter 02: mlp_memory_rows as a table (MiB): the saved activations in fp32 and under autocast,
+    autocast's saved weight copies, and the whole step's peak in both. Files recorded before the
+    saved bytes were told apart by kind hold peaks only here ("-")."""
+
+    def mib(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
+    out = [f"{'autocast':<9}{'activations fp32':>17}{'low':>7}{'weight copies':>15}{'peak fp32':>11}{'peak low':>10}"]
     for r in rows:
-        peaks = (
-            f"{r['peak_fp32']:>12.1f}{r['peak_low']:>10.1f}{r['peak_low'] / r['peak_fp32']:>7.2f}"
-            if r["peak_fp32"]
-            else f"{'n/a':>12}{'n/a':>10}{'':>7}"
-        )
         out.append(
-            (
-                f"{r['dtype']:<10}{r['saved_fp32']:>12.1f}{r['saved_low']:>11.1f}"
-                f"{r['saved_low'] / r['saved_fp32']:>7.2f}{peaks}"
-            ).rstrip()
+            f"{r['dtype']:<9}{mib(r.get('activations_fp32')):>17}{mib(r.get('activations_low')):>7}"
+            f"{mib(r.get('weight_copies_low')):>15}{mib(r.get('peak_fp32')):>11}{mib(r.get('peak_low')):>10}"
         )
     return "\n".join(out)
 
 
-def read_memory_rows(rows: Sequence[dict]) -> str:
-    """Chapter 02: mlp_memory_rows in words, computed from the numbers: what autocast shrank (the
-    saved activations), what the whole step's peak did, and a warning where two rows disagree on
-    the same fp32 step (memory held from elsewhere was counted in one of them)."""
+def read_memory_rows(rows: Sequence[dict], largest_weight_mib: float | None = None) -> str:
+    """Chapter 02: mlp_memory_rows in words, computed from the numbers: what autocast saved on
+    activations and added in weight copies, and how the whole step's peak moved. `largest_weight_mib`
+    (the biggest weight matrix in fp32, MiB) lets it name the 16-bit gradient that exists beside its
+    fp32 copy at the end of backward. Rows whose fp32 peaks disagree are flagged."""
     out = []
     for r in rows:
-        saved = r["saved_low"] / r["saved_fp32"]
-        line = f"{r['dtype']}: saved activations x{saved:.2f}"
-        if r["peak_fp32"]:
-            peak = r["peak_low"] / r["peak_fp32"]
-            line += f", the step's peak x{peak:.2f}"
-            if peak > saved + 0.1:
-                line += (" - the peak grew" if peak > 1 else " - the peak shrank less than the activations") + (
-                    ": it also holds what autocast leaves in fp32 (weights, gradients) and what it adds (the"
-                    " 16-bit copies of the weights)"
+        parts = [f"{r['dtype']}:"]
+        if r.get("activations_fp32") is not None:
+            saved = r["activations_fp32"] - r["activations_low"]
+            net = r["weight_copies_low"] - saved
+            parts.append(
+                f"autocast spared {saved:.1f} MiB of activations and added {r['weight_copies_low']:.1f} MiB of 16-bit "
+                f"weight copies to what the graph keeps for backward: it keeps {abs(net):.1f} MiB "
+                f"{'more' if net > 0 else 'less'}."
+            )
+        if r.get("peak_fp32"):
+            grew = r["peak_low"] - r["peak_fp32"]
+            parts.append(
+                f"The step's peak went from {r['peak_fp32']:.1f} to {r['peak_low']:.1f} MiB "
+                f"({'+' if grew >= 0 else ''}{grew:.1f} MiB)."
+            )
+            if largest_weight_mib and grew > 0:
+                parts.append(
+                    f"A {largest_weight_mib:.0f} MiB fp32 weight has a {largest_weight_mib / 2:.0f} MiB "
+                    "16-bit gradient: "
+                    "under autocast the last layer's weight gradient is computed in 16 bits and then cast to fp32, "
+                    "so for a moment both exist, at the end of backward, beside every fp32 gradient."
                 )
-        out.append(textwrap.fill(line, 100, subsequent_indent="    "))
-    fp32_peaks = [r["peak_fp32"] for r in rows if r["peak_fp32"]]
+        out.append(textwrap.fill(" ".join(parts), 100, subsequent_indent="    "))
+    fp32_peaks = [r["peak_fp32"] for r in rows if r.get("peak_fp32")]
     if len(fp32_peaks) > 1 and max(fp32_peaks) > 1.1 * min(fp32_peaks):
         out.append(
             textwrap.fill(
@@ -236,6 +257,19 @@ def read_memory_rows(rows: Sequence[dict]) -> str:
             )
         )
     return "\n".join(out)
+
+
+def cpu_fp16_flags(cpuinfo: str | None = None) -> list[str]:
+    """Chapter 02: the CPU's native fp16 instruction sets (AMX-FP16, AVX512-FP16), from /proc/cpuinfo
+    (or the text given); [] where that cannot be read. course_lib.device.cpu_bf16_flags has bf16's."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return []
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return sorted(set(flags) & {"amx_fp16", "avx512_fp16"})
 
 
 # --------------------------------------------------------------------------- the cast cache goes stale
