@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -33,7 +34,7 @@ from ..timing import peak_memory_bytes, saved_tensor_bytes, time_fn
 from ..train import AMP_DTYPES, StepResult, amp_step
 from .bench import mixed_precision_for, step_row
 from .matmul import matmul_tflops, peak_tflops, tf32
-from .rungs import Rung, _with_speedup, climb, course_ladder, format_rows
+from .rungs import Rung, _with_speedup, climb, compiles_quickly, course_ladder, format_rows
 from .targets import format_targets, targets
 
 __all__ = [
@@ -51,14 +52,19 @@ __all__ = [
 
 
 def resnet50_ladder(
-    device: str = "auto", batch: int | None = None, steps: int | None = None, image_size: int | None = None
+    device: str = "auto",
+    batch: int | None = None,
+    steps: int | None = None,
+    image_size: int | None = None,
+    modes: Sequence[str] | None = None,
 ) -> list[dict]:
     """Chapter 09: ResNet-50 training steps in strict FP32, TF32, bf16 and fp16 AMP, each without and
     with channels_last: ms/step with spread, images/s, peak memory (CUDA), speed-up over strict FP32.
 
     Defaults: batch 128 at 224 px on a GPU (64 below 24 GiB); batch 4 at 64 px on a CPU (a toy run,
     without fp16: most CPUs have no fast fp16 convolution backward). Rows the hardware cannot run
-    natively are kept, with the reason.
+    natively are kept, with the reason. `modes` keeps only the rows so labelled (e.g. "TF32",
+    "AMP fp16 + channels_last"): chapter 09's live cell times four, the recording all eight.
     """
     dev = pick_device(device)
     cuda = dev.type == "cuda"
@@ -78,6 +84,8 @@ def resnet50_ladder(
     ):
         for channels_last in (False, True):
             mode = label + (" + channels_last" if channels_last else "")
+            if modes is not None and mode not in modes:
+                continue
             why = (
                 "TF32 needs an NVIDIA Ampere-or-newer GPU (sm_80+)"
                 if allow_tf32 and not ampere
@@ -190,8 +198,8 @@ def gpt_ladder(
     FLOPs per second over ONE named peak for every rung, the datasheet's dense peak of the device's
     mixed precision, bf16 on an H100, fp16 on a T4: `mfu_peak` names it). Dividing each rung by its
     own precision's peak would let a slow strict-FP32 rung look well used. AMP is bf16 where it is native
-    and fp16 with a GradScaler elsewhere. On a CPU the model is a toy and torch.compile is skipped
-    (its first call takes minutes there) unless compile_on_cpu is set.
+    and fp16 with a GradScaler elsewhere. On a CPU the model is a toy. Where compiling is slow
+    (`compiles_quickly`: a CPU, or a GPU with few CPU cores, as on Colab) the compiled rungs are skipped.
     """
     dev = pick_device(device)
     config, batch, seq = _gpt_size(dev, batch, seq)
@@ -204,8 +212,9 @@ def gpt_ladder(
     rows = []
     for rung in GPT_RUNGS:
         label = rung.label.replace("AMP", f"AMP {amp}")
-        if rung.compiled and dev.type != "cuda" and not compile_on_cpu:
-            rows.append({"mode": label, "note": "skipped on a CPU: compiling takes minutes there (see the GPU run)"})
+        if rung.compiled and not compiles_quickly(dev, compile_on_cpu):
+            where = "a CPU" if dev.type != "cuda" else f"{os.cpu_count()} CPU cores"
+            rows.append({"mode": label, "note": f"skipped: compiling takes minutes on {where} (see the GPU run)"})
             continue
         if rung.tf32 and not rung.amp and not (dev.type == "cuda" and cuda_capability(dev) >= (8, 0)):
             rows.append({"mode": label, "note": "TF32 needs an NVIDIA Ampere-or-newer GPU (sm_80+)"})

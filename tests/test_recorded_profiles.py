@@ -1,0 +1,58 @@
+"""course_lib.chapters.recorded_profiles: the recorded GPU profiles read in words computed from their numbers."""
+import pytest
+
+from course_lib.chapters import recorded_profiles as rp
+from course_lib.reference import load_references
+
+
+def _step(ms, gpu_us, kernels, **by_class):
+    return {"ms_per_step": ms, "kernels": {"gpu_us_per_step": gpu_us, "kernels_per_step": kernels,
+                                           "by_class_us": by_class}}
+
+
+def test_a_host_bound_step_is_read_from_its_kernel_time_and_launches():
+    text = " ".join(rp.read_host_bound({"fp32": _step(2.0, 1500, 50), "bf16": _step(3.0, 900, 70)}).split())
+    assert "from 1.50 to 0.90 ms, yet the step went from 2.00 to 3.00 ms" in text
+    assert "70 kernels instead of 50" in text and "not made faster by faster arithmetic" in text
+    faster = " ".join(rp.read_host_bound({"fp32": _step(2.0, 1500, 50), "bf16": _step(1.5, 900, 70)}).split())
+    assert "not made faster" not in faster  # the verdict follows the numbers
+
+
+def test_the_batch_norm_gap_names_the_implementation_each_precision_ran():
+    def prof(img_s, gpu_us, bn_us, op):
+        return {"images_per_s": img_s, **_step(10, gpu_us, 100, **{"conv/gemm": 9000, "batch_norm": bn_us}),
+                "ops": [{"op": op, "us": 100.0}, {"op": op + "_backward", "us": 900.0}, {"op": "aten::add_", "us": 5}]}
+
+    text = " ".join(rp.read_batch_norm({"fp16": prof(3500, 20000, 8000, "aten::cudnn_batch_norm"),
+                                        "bf16": prof(2800, 26000, 14000, "aten::native_batch_norm")}).split())
+    assert "1.25x as fast" in text and "6.0 ms of GPU time" in text and "batch norm accounts for 6.0 ms" in text
+    assert "in fp16 PyTorch runs aten::cudnn_batch_norm, in bf16 aten::native_batch_norm" in text
+
+
+def test_the_recorded_h100_files_read_without_error_and_say_what_the_readme_says():
+    refs = load_references("questions_h100-80gb-hbm3.json")
+    if not refs:
+        pytest.skip("no recorded profile")
+    q = refs[0]
+    assert "aten::native_batch_norm" in rp.read_batch_norm(q["resnet50"])
+    assert "MFU 40.1%" in rp.read_mfu(q["gpt"])
+    shapes = load_references("roofline_h100-80gb-hbm3.json")[0]["shapes"]
+    padded = "bf16: 47 more vocabulary columns (50,304) made the output layer 4.9x faster"
+    assert padded in rp.read_vocab_padding(shapes)
+
+
+def test_checkpointing_is_read_in_gib_not_in_percentages_of_different_bases():
+    rows = [{"saved_mib": 8.45 * 1024, "peak_memory_gib": 16.05, "ms_per_step": 100.0},
+            {"saved_mib": 3.78 * 1024, "peak_memory_gib": 11.37, "ms_per_step": 118.0}]
+    text = " ".join(rp.read_checkpointing(rows).split())
+    assert "(4.67 GiB less)" in text and "(4.68 GiB less)" in text and "x1.18" in text
+    assert "removed them" in text
+    partial = [{**rows[0]}, {**rows[1], "peak_memory_gib": 15.0}]
+    assert "removed them" not in rp.read_checkpointing(partial)  # 1.05 of 4.67 GiB: the words follow
+    cpu = [{k: v for k, v in r.items() if k != "peak_memory_gib"} for r in rows]
+    assert "peak" not in rp.read_checkpointing(cpu)
+
+
+def test_vocab_padding_times_both_vocabularies():
+    times = rp.vocab_padding_times(tokens=4, width=8)
+    assert set(times) == {50257, 50304} and all(t > 0 for t in times.values())
