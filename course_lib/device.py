@@ -197,13 +197,13 @@ def hardware_report(device: torch.device | str | None = None) -> str:
     lines = [f"torch {torch.__version__} | python {platform.python_version()} | {platform.machine()}"]
     if dev.type == "cuda":
         cc = cuda_capability(dev)
-        props = torch.cuda.get_device_properties(dev)
+        props = torch.cuda.get_device_properties(dev)  # below sm_80 torch's own bf16 answer counts emulation:
+        emulated = "" if cc >= (8, 0) else f" (is_bf16_supported(): {torch.cuda.is_bf16_supported()}, emulated)"
         lines += [
             f"device: cuda, {props.name}, sm_{cc[0]}{cc[1]}, {props.total_memory / 2**30:.1f} GiB, "
             f"{props.multi_processor_count} SMs, CUDA {torch.version.cuda or torch.version.hip}",
             f"Tensor Cores: {tensor_core_generation(cc) or 'none'}",
-            f"native bf16: {has_native_bf16(dev)}  (torch.cuda.is_bf16_supported() says "
-            f"{torch.cuda.is_bf16_supported()}: it counts emulation)",
+            f"native bf16: {has_native_bf16(dev)}{emulated}",
             f"fp32 matmul precision: {torch.get_float32_matmul_precision()!r} "
             "('highest' = no TF32; 'high' lets matmuls use TF32 on Ampere+)",
         ]

@@ -103,3 +103,16 @@ def test_hardware_report_names_torch_version_and_recommendation():
 def test_hardware_report_lines_fit_a_notebook_without_wrapping(monkeypatch, flags):
     monkeypatch.setattr(D, "cpu_bf16_flags", lambda cpuinfo=None: flags)
     assert max(len(line) for line in D.hardware_report("cpu").splitlines()) <= 100
+
+
+@pytest.mark.parametrize("cc, says", [((7, 5), True), ((9, 0), False)])
+def test_the_report_shows_torchs_emulation_inclusive_bf16_answer_only_where_bf16_is_emulated(cc, says):
+    from unittest import mock
+
+    props = mock.Mock(total_memory=16 * 2**30, multi_processor_count=40)
+    props.name = "a GPU"
+    with mock.patch.object(D, "cuda_capability", return_value=cc), \
+            mock.patch("torch.cuda.get_device_properties", return_value=props), \
+            mock.patch("torch.cuda.is_bf16_supported", return_value=True):
+        line = next(x for x in D.hardware_report("cuda").splitlines() if x.startswith("native bf16"))
+    assert line == ("native bf16: False (is_bf16_supported(): True, emulated)" if says else "native bf16: True")
