@@ -56,3 +56,16 @@ def test_checkpointing_is_read_in_gib_not_in_percentages_of_different_bases():
 def test_vocab_padding_times_both_vocabularies():
     times = rp.vocab_padding_times(tokens=4, width=8)
     assert set(times) == {50257, 50304} and all(t > 0 for t in times.values())
+
+
+def test_fp8_is_read_against_bf16_alone_and_with_its_casts():
+    gemms = [{"what": "square", "m": 8192, "k": 8192, "n": 8192, "bf16_ms": 1.6, "tensorwise_ms": 0.8,
+              "tensorwise_with_cast_ms": 3.2}, {"what": "qkv", "m": 16, "k": 16, "n": 16, "bf16_ms": 1.0,
+                                                  "tensorwise_error": "not supported here"}]
+    gpt = {"rows": [{"recipe": "bf16", "batch": 16, "seq": 1024, "ms_per_step": 37.0, "losses": [7.0] * 5},
+                    {"recipe": "tensorwise", "batch": 16, "seq": 1024, "ms_per_step": 44.0, "losses": [6.9] * 5},
+                    {"recipe": "rowwise", "note": "skipped"}]}
+    lines = rp.read_fp8(gemms, gpt).splitlines()
+    assert len(lines) == 4  # a matmul fp8 could not run, and a skipped recipe, leave no row
+    assert lines[1].split()[-2:] == ["2.00x", "0.50x"]
+    assert "x0.84" in lines[3] and "loss at the end 6.900" in lines[3]

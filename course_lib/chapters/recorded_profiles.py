@@ -17,6 +17,7 @@ import torch
 from ..timing import time_fn
 
 __all__ = [
+    "read_fp8",
     "read_host_bound",
     "read_batch_norm",
     "read_mfu",
@@ -169,4 +170,28 @@ def read_checkpointing(rows: list[dict]) -> str:
             )
         )
     out.append(f"time per step: x{b['ms_per_step'] / a['ms_per_step']:.2f} (the blocks' forward runs twice)")
+    return "\n".join(out)
+
+
+def read_fp8(gemms: list[dict], gpt: dict | None = None) -> str:
+    """Chapter 09: fp8 (e4m3, tensorwise scales) against bf16 on a recorded GPU: each matmul's time alone
+    and with the casts to fp8 done in eager PyTorch (roofline_<gpu>.json "fp8"), then, if given, GPT-2
+    small trained with torchao's float8 against bf16 (fp8gpt_<gpu>.json): step time and final loss."""
+    out = [f"{'matmul':<9}{'M x K x N':>22}{'bf16 ms':>9}{'fp8 ms':>8}{'speed-up':>9}{'with casts':>12}"]
+    for r in gemms:
+        if "tensorwise_ms" not in r:
+            continue
+        out.append(
+            f"{r['what']:<9}{r['m']:>7} x {r['k']:>5} x {r['n']:>5}{r['bf16_ms']:>9.3f}{r['tensorwise_ms']:>8.3f}"
+            f"{r['bf16_ms'] / r['tensorwise_ms']:>8.2f}x{r['bf16_ms'] / r['tensorwise_with_cast_ms']:>11.2f}x"
+        )
+    rows = [r for r in (gpt or {}).get("rows", []) if "ms_per_step" in r]
+    if rows:
+        base = rows[0]
+        for r in rows:
+            tail = r["losses"][-5:]
+            out.append(
+                f"GPT-2 small, {r['recipe']:<10} batch {r['batch']} x {r['seq']}: {r['ms_per_step']:.1f} ms per step, "
+                f"x{base['ms_per_step'] / r['ms_per_step']:.2f}; loss at the end {sum(tail) / len(tail):.3f}"
+            )
     return "\n".join(out)
