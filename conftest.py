@@ -9,6 +9,10 @@ kernel, with nothing skipped by the harness. Cells tagged `gpu` guard themselves
   where it is missing, so the tier cannot pass by skipping.
 Each notebook's execution time and its kernel's peak memory are reported at the end; a
 notebook whose kernel needs more than NOTEBOOK_MEMORY_BUDGET fails the session.
+Nothing silent: in the CPU tier, a code cell that tests/printing_cells.json lists as printing
+and that printed nothing (or only whitespace) fails the session, judged only in notebooks whose
+code cells all ran to their end here (course_lib/tooling/nbtools.py; refresh the manifest with
+`python -m course_lib.tooling.nbtools printing-cells`, i.e. `--update-printing-cells`).
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ NOTEBOOK_MEMORY_BUDGET = 4 * 2**30  # peak resident memory of a notebook's kerne
 _durations: dict[str, float] = defaultdict(float)
 _peak_rss: dict[str, int] = defaultdict(int)
 _gpu_cells: dict[str, list[str]] = defaultdict(list)  # outcome -> node ids
+_cell_runs: dict = {}  # notebook path -> nbtools.NotebookRun: which code cells ran and printed (CPU tier)
+_silence: dict = {}  # what the printing check found, for the terminal summary
 
 
 def _cuda_available() -> bool:
@@ -59,11 +65,20 @@ def _refuse_remote_connections() -> None:
     socket.socket.connect = connect
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--update-printing-cells", action="store_true",
+                     help="rewrite the printing-cells manifest for the notebooks whose code cells all ran (CPU tier)")
+    parser.addoption("--printing-cells-manifest", default="tests/printing_cells.json", metavar="PATH",
+                     help="the manifest of code cells that print, from the repository root (default: %(default)s)")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("MPLBACKEND", "Agg")  # kernels inherit it: no windows, no GUI backends
     os.environ.setdefault("COURSE_OFFLINE", "1")  # notebooks' kernels: the data loader never downloads
     if not GPU_TIER:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU tier runs what a learner without a GPU runs
+    elif config.getoption("--update-printing-cells"):
+        raise pytest.UsageError("--update-printing-cells records the CPU tier's outputs; unset COURSE_GPU_TIER")
     _refuse_remote_connections()
 
 
@@ -98,17 +113,53 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _durations[path] += report.duration
 
 
+def _record_cell_run(item: pytest.Item, report: pytest.TestReport) -> None:
+    """Note a notebook cell that ran to its end (or that nbval skipped as tagged), and whether it printed."""
+    from course_lib.tooling.nbtools import CellRun, NotebookRun, printed
+
+    nb = item.parent.nb
+    path = item.nodeid.split("::")[0]
+    run = _cell_runs.setdefault(path, NotebookRun(code_cells=sum(c.cell_type == "code" for c in nb.cells)))
+    index = next(i for i, c in enumerate(nb.cells) if c is item.cell)
+    first_line = next((line for line in item.cell.source.splitlines() if line.strip()), "")[:80]
+    shown = None if report.skipped else printed(item.test_outputs or [])
+    run.cells[item.cell.get("id", f"index-{index}")] = CellRun(index, shown, first_line, item.cell_num)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report = outcome.get_result()
     if _is_gpu_cell(item) and (report.when == "call" or report.skipped):
         _gpu_cells[report.outcome].append(item.nodeid)
+    # A failed, timed-out (xfail) or interrupted cell is not recorded: its notebook is not judged.
+    tagged_skip = report.skipped and getattr(item, "options", {}).get("skip")
+    if (not GPU_TIER and report.when == "call" and (report.passed or tagged_skip)
+            and getattr(item, "cell", None) is not None and hasattr(item.parent, "nb")):
+        _record_cell_run(item, report)
+
+
+def _judge_printing_cells(config: pytest.Config) -> bool:
+    """Compare this session's printing cells with the manifest (or rewrite it); True if one went silent."""
+    from course_lib.tooling import nbtools
+
+    manifest_path = config.rootpath / config.getoption("--printing-cells-manifest")
+    manifest = nbtools.read_manifest(manifest_path)
+    complete = sorted(p for p, run in _cell_runs.items() if run.complete)
+    if config.getoption("--update-printing-cells"):
+        nbtools.write_manifest(nbtools.updated_manifest(manifest, _cell_runs), manifest_path)
+        _silence.update(updated=complete, partial=sorted(set(_cell_runs) - set(complete)))
+        return False
+    silent = nbtools.silent_cells(manifest, _cell_runs)
+    _silence.update(silent=silent, judged=[p for p in complete if p in manifest],
+                    unlisted=nbtools.unlisted_printing_cells(manifest, _cell_runs))
+    return bool(silent)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     over = [p for p, rss in _peak_rss.items() if rss > NOTEBOOK_MEMORY_BUDGET]
-    if over or (GPU_TIER and _gpu_cells.get("skipped")):
+    went_silent = bool(_cell_runs) and _judge_printing_cells(session.config)
+    if over or went_silent or (GPU_TIER and _gpu_cells.get("skipped")):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -128,3 +179,21 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         where = "with CUDA" if GPU_TIER else "with CUDA hidden: each took its CPU path"
         why = " (GPU tier: skipped gpu cells fail the run)" if GPU_TIER and skipped else ""
         tr.write_line(f"ran {ran} ({where}), skipped {skipped}{why}")
+    if "updated" in _silence:
+        tr.section("printing cells: manifest rewritten")
+        where = terminalreporter.config.getoption("--printing-cells-manifest")
+        tr.write_line(f"{where}: {len(_silence['updated'])} notebook(s) rewritten")
+        if _silence["partial"]:
+            tr.write_line(f"kept as they were (not every code cell ran to its end): {', '.join(_silence['partial'])}")
+    elif _silence.get("silent"):
+        from course_lib.tooling.nbtools import silence_report
+
+        tr.section("code cells that stopped printing (fails the run)", red=True)
+        where = terminalreporter.config.getoption("--printing-cells-manifest")
+        for line in silence_report(_silence["silent"], where):
+            tr.write_line(line, red=True)
+    elif _silence.get("judged"):
+        tr.section("printing cells")
+        tr.write_line(f"every cell listed as printing printed, in {len(_silence['judged'])} notebook(s)")
+        for path, ids in _silence["unlisted"].items():
+            tr.write_line(f"not in the manifest yet, so not judged: {path} {', '.join(ids)}")

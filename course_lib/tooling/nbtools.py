@@ -42,6 +42,7 @@ __all__ = [
     "read_manifest",
     "write_manifest",
     "silence_report",
+    "refresh_printing_cells",
 ]
 
 CHECK_TAG = "nbval-check-output"
@@ -117,7 +118,8 @@ def refresh(path: Path, timeout: int = 600) -> None:
 def printed(outputs: list) -> bool:
     """Did a cell show anything: text on stdout, or a displayed value (a result, a plot, a widget)?
     Only whitespace is nothing: `print("\\n".join([]))` prints an empty line and shows nothing.
-    stderr does not count (warnings and progress bars come and go with library versions)."""
+    stderr and tqdm's progress bars do not count: they come and go with library versions, and
+    a cell whose prints went silent still draws its bars."""
     for out in outputs:
         kind = out.get("output_type")
         if kind == "stream":
@@ -125,12 +127,25 @@ def printed(outputs: list) -> bool:
             if out.get("name") == "stdout" and ("".join(text) if isinstance(text, list) else text).strip():
                 return True
         elif kind in ("display_data", "execute_result"):
+            if _progress_bar(out.get("data", {})):
+                continue
             for value in out.get("data", {}).values():
                 if isinstance(value, list):
                     value = "".join(value)
                 if value.strip() if isinstance(value, str) else value:
                     return True
     return False
+
+
+def _progress_bar(data: dict) -> bool:
+    """tqdm in a notebook draws a widget whose text is the bar ("train fp32: 100%|...| 50/50"):
+    like stderr, it says that something ran, not what came out of it."""
+    text = data.get("text/plain", "")
+    text = "".join(text) if isinstance(text, list) else text
+    return WIDGET_VIEW in data and set(data) <= {WIDGET_VIEW, "text/plain"} and bool(_BAR.search(text))
+
+
+_BAR = re.compile(r"\d+%\|.*\| *\d+/")
 
 
 @dataclass
@@ -235,7 +250,7 @@ def _nbval_args() -> list[str]:
 def refresh_printing_cells(paths: list[Path]) -> int:
     """Run these notebooks (default: notebooks/ and exercises/) under nbval on the CPU tier and
     rewrite their entries in the manifest."""
-    targets = [str(p) for p in paths] or list(PRINTING_FOLDERS)
+    targets = [str(p.resolve()) for p in paths] or list(PRINTING_FOLDERS)  # pytest runs from the root
     cmd = [sys.executable, "-m", "pytest", *targets, *_nbval_args(), "--update-printing-cells", "-q"]
     print(" ".join(cmd))
     return subprocess.run(cmd, cwd=ROOT).returncode
