@@ -190,7 +190,8 @@ def saved_bytes_by_kind(fn: Callable[[], object]) -> dict[str, dict[torch.dtype,
 def saved_tensor_bytes(fn: Callable[[], object]) -> dict[torch.dtype, int]:
     """Chapters 02, 04, 09: per dtype, the memory that what autograd saves while `fn` runs costs:
     activations and weight copies, not what existed before (see saved_bytes_by_kind)."""
-    act, copies = (saved_bytes_by_kind(fn)[k] for k in ("activations", "weight copies"))
+    kinds = saved_bytes_by_kind(fn)  # fn runs once
+    act, copies = kinds["activations"], kinds["weight copies"]
     return {d: act.get(d, 0) + copies.get(d, 0) for d in {**act, **copies}}
 
 
