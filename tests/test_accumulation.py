@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from course_lib.chapters import accumulation as A
 from course_lib.chapters import accumulation_pitfalls as P
+from course_lib.chapters import accumulation_tokens as T
 
 
 def mlp(seed: int = 0) -> nn.Module:
@@ -168,7 +169,7 @@ def test_memory_rows_on_a_cpu_and_the_recording_cli(tmp_path, capsys):
                    "--precisions", "fp32", "--json", str(out)]) == 0
     saved = json.loads(out.read_text())
     assert saved["provenance"]["command"].startswith("python -m course_lib.chapters.accumulation")
-    assert len(saved["rows"]) == 2 and saved["batch"] == 4
+    assert len(saved["rows"]) == 2 and saved["batch"] == 4 and saved["saved_counts"] == A.SAVED_COUNTS
     assert "wrote" in capsys.readouterr().out
 
 
@@ -186,3 +187,131 @@ def test_peak_saved_bytes_frees_a_graph_that_never_ran_backward():
     assert A.peak_saved_bytes(forward) > 0
     gc.collect()
     assert kept[0]() is None, "the saved ReLU output outlived the measurement"
+
+
+# --------------------------------------------------------------------------- the recorded table, read
+
+def test_recount_saved_takes_off_what_an_older_recording_also_counted():
+    from course_lib.reference import load_references
+    refs = load_references("accumulation_*.json")
+    if not refs:
+        pytest.skip("no accumulation recording")
+    for ref in refs:
+        rows, extra = A.recount_saved(ref)
+        if not extra:  # recorded with today's count: nothing to take off
+            assert rows == ref["rows"] and ref.get("saved_counts") == A.SAVED_COUNTS
+            continue
+        assert extra["fp32"] > 40 * 2**20  # a ResNet-18's parameters (43 MiB) and the input batch
+        fp32 = [r for r in rows if r["precision"] == "fp32"]
+        per_sample = [r["saved_micro"] / r["micro_size"] for r in fp32]
+        assert max(per_sample) < 1.001 * min(per_sample), "left: activations only, in proportion to the micro-batch"
+        old = [r["saved_micro"] / r["micro_size"] for r in ref["rows"] if r["precision"] == "fp32"]
+        assert max(old) > 1.05 * min(old)  # as recorded, they were not
+    assert A.recount_saved({"saved_counts": A.SAVED_COUNTS, "rows": [{"saved_micro": 1}]}) == ([{"saved_micro": 1}], {})
+
+
+def test_saved_kinds_counts_the_whole_input_batch_as_existing_in_fp32_only():
+    fp32, bf16 = (A.saved_kinds("simplecnn", batch=64, precision=p) for p in ("fp32", "bf16"))
+    inputs = 64 * 28 * 28 * 4
+    assert fp32["existing"] > inputs and fp32["weight copies"] == 0
+    assert bf16["existing"] < inputs and bf16["weight copies"] > 0  # the input cast to bf16 is a new tensor
+    more = A.saved_kinds("simplecnn", batch=128)["existing"] - fp32["existing"]
+    assert more == inputs + 64 * 8  # the input batch's storage and its labels' (int64), whole, for any micro-batch
+
+
+def memory_row(p, n, ms, q, saved=800.0, rest=100.0):
+    return {"precision": p, "micro_batches": n, "micro_size": 512 // n, "saved_micro": saved / n,
+            "peak_saved": saved / n, "peak": rest + saved / n, "ms": ms, "ms_q": q}
+
+
+def test_read_memory_rows_reads_the_ratios_and_the_times_with_their_spread():
+    rows = [memory_row("fp32", 1, 26.2, [26.1, 26.3]), memory_row("fp32", 8, 47.8, [47.5, 64.5]),
+            memory_row("fp32", 16, 107.6, [106.3, 107.7]),
+            memory_row("bf16", 1, 22.0, [21.9, 22.1]), memory_row("bf16", 8, 62.7, [56.2, 85.0]),
+            memory_row("bf16", 16, 98.9, [94.7, 107.8])]
+    text = A.read_memory_rows(rows)
+    assert "fp32, 1 -> 16 micro-batches: peak saved 16.0x smaller, peak CUDA 6.00x smaller, step 4.1x longer" in text
+    assert "hardly moved" not in text
+    assert "1 x 512  0.84, faster (the middle halves do not overlap)" in text
+    assert "8 x 64   1.31, slower by the medians, but the middle halves overlap" in text
+    assert "16 x 32   0.92, the same within the spread" in text
+    assert "fp32 8 -> 16" not in text  # micro-batch sizes, not counts
+    assert "fp32 64 -> 32, bf16 64 -> 32" in text  # a micro-batch half as large, hardly quicker
+    assert f"{A.TIMED_STEPS} timed steps per row; the widest middle half spans 46% of its median (bf16, 8 x 64)" in text
+    cpu = [{**r, "peak": None, "ms": None, "ms_q": None} for r in rows]
+    assert A.read_memory_rows(cpu).splitlines() == ["fp32, 1 -> 16 micro-batches: peak saved 16.0x smaller",
+                                                    "bf16, 1 -> 16 micro-batches: peak saved 16.0x smaller"]
+    stuck = [memory_row("fp32", 1, 26.2, [26.1, 26.3], rest=3000.0), memory_row("fp32", 16, 30, [29, 31], rest=3000.0)]
+    assert "the peak hardly moved" in A.read_memory_rows(stuck)
+
+
+# --------------------------------------------------------------------------- token-level losses
+
+def large_token_grad(micro):
+    """The large batch's gradient, written out: every sequence in one batch, the mean over all real tokens."""
+    tokens, targets = (torch.cat(t) for t in zip(*micro))
+    model = T.token_model()
+    logits = model(tokens)
+    real = targets != T.IGNORE_INDEX
+    F.cross_entropy(logits[real], targets[real]).backward()
+    return torch.cat([p.grad.flatten().double() for p in model.parameters()])
+
+
+def test_padded_micro_batches_pad_with_the_ignore_index():
+    micro = T.padded_micro_batches([[5, 2], [1]], vocab=16, seed=3)
+    assert [tuple(t.shape) for t, _ in micro] == [(2, 5), (1, 5)]  # padded to the longest of them all
+    assert [T.real_tokens(y) for _, y in micro] == [7, 1]
+    tokens, targets = micro[0]
+    assert (tokens[1, 2:] == T.PAD).all() and (targets[1, 2:] == T.IGNORE_INDEX).all()
+    assert (tokens[1, :2] != T.PAD).all() and (targets[1, :2] >= 0).all()
+
+
+@pytest.mark.parametrize("lengths", [[[9, 2], [3, 1]], [[12, 3, 2], [11, 12, 9], [2, 1, 4]]])
+def test_dividing_by_all_real_tokens_is_the_large_batch_and_the_mean_per_micro_batch_is_not(lengths):
+    micro = T.padded_micro_batches(lengths)
+    counts = [T.real_tokens(y) for _, y in micro]
+    assert len(set(counts)) > 1  # the micro-batches hold different numbers of real tokens
+    large = large_token_grad(micro)
+    tol = 8 * torch.finfo(torch.float32).eps * large.abs().max()
+    right = T.token_grad(T.token_model(), micro, T.NORMALISATIONS[1])
+    wrong = T.token_grad(T.token_model(), micro, T.NORMALISATIONS[0])
+    assert (right - large).abs().max() < tol
+    assert (wrong - large).abs().max() > 0.05 * large.abs().max()
+
+
+def test_with_equal_real_tokens_per_micro_batch_both_normalisations_agree():
+    micro = T.padded_micro_batches([[6, 4, 2], [5, 5, 2], [8, 3, 1]])  # 12 real tokens each, in ragged sequences
+    assert [T.real_tokens(y) for _, y in micro] == [12, 12, 12]
+    large = large_token_grad(micro)
+    tol = 8 * torch.finfo(torch.float32).eps * large.abs().max()
+    for n in T.NORMALISATIONS:
+        assert (T.token_grad(T.token_model(), micro, n) - large).abs().max() < tol
+    with pytest.raises(ValueError):
+        T.token_grad(T.token_model(), micro, "mean")
+
+
+def test_token_rows_report_both_normalisations_against_the_large_batch():
+    rows = T.token_rows({"different": [[9, 2], [3, 1]], "equal": [[3, 1], [2, 2]]})
+    assert [r["tokens"] for r in rows] == [[11, 4], [4, 4]]
+    different, equal = rows
+    assert different[T.NORMALISATIONS[0]] > 0.05 * different["largest"]
+    eps = torch.finfo(torch.float32).eps
+    assert different[T.NORMALISATIONS[1]] < 8 * eps * different["largest"]
+    assert max(equal[n] for n in T.NORMALISATIONS) < 8 * eps * equal["largest"]
+
+
+def test_amp_step_weights_by_tokens_when_y_holds_the_real_targets_only():
+    from course_lib.train import amp_step
+    micro = T.padded_micro_batches([[9, 2], [3, 1]])
+    large = large_token_grad(micro)
+
+    def course_loop(batches):
+        net = T.token_model()
+        amp_step(net, torch.optim.SGD(net.parameters(), lr=0.0), torch.amp.GradScaler("cpu", enabled=False),
+                 batches, None, forward=lambda x, y: T.token_loss(net, *x))
+        return torch.cat([p.grad.flatten().double() for p in net.parameters()])
+
+    by_tokens = course_loop([((t, y), y[y != T.IGNORE_INDEX]) for t, y in micro])
+    by_sequences = course_loop([((t, y), y) for t, y in micro])
+    assert (by_tokens - large).abs().max() < 8 * torch.finfo(torch.float32).eps * large.abs().max()
+    assert (by_sequences - large).abs().max() > 0.05 * large.abs().max()

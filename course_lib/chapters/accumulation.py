@@ -4,7 +4,8 @@ Chapter 04. Weight each micro-batch's mean loss by its share of the samples (los
 equal micro-batches), backward each, and unscale_, step and update once, at the boundary: the
 summed gradient is then the large batch's, up to rounding, while activations are held for one
 micro-batch at a time. What breaks it (update() in the wrong place, BatchNorm, no_sync, a
-popular article's loop) is in course_lib.chapters.accumulation_pitfalls.
+popular article's loop) is in course_lib.chapters.accumulation_pitfalls; token-level losses, whose
+weights count tokens, in course_lib.chapters.accumulation_tokens.
 
     accumulation_step(model, optimizer, scaler, micro_batches, dtype=torch.bfloat16)
     python -m course_lib.chapters.accumulation --json data/reference/accumulation_<gpu>.json
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from ..models import build_model
 from ..reference import record
-from ..timing import StorageOrigins, peak_memory_bytes, saved_tensor_bytes, time_fn
+from ..timing import StorageOrigins, peak_memory_bytes, saved_bytes_by_kind, saved_tensor_bytes, time_fn
 from ..train import AMP_DTYPES, amp_step
 
 __all__ = [
@@ -35,6 +36,9 @@ __all__ = [
     "peak_saved_bytes",
     "memory_rows",
     "format_memory_rows",
+    "saved_kinds",
+    "recount_saved",
+    "read_memory_rows",
 ]
 
 Batches = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -215,6 +219,8 @@ def peak_saved_bytes(fn: Callable[[], object]) -> int:
     return live["peak"]
 
 
+TIMED_STEPS = 5  # per row of memory_rows, after 2 warm-up steps
+SAVED_COUNTS = "activations and weight copies"  # what saved_micro and peak_saved count, stored with each recording
 WORKLOADS = {"simplecnn": ((1, 28, 28), {"in_channels": 1}), "small_resnet": ((3, 32, 32), {"in_channels": 3})}
 
 
@@ -249,7 +255,7 @@ def memory_rows(
                 with torch.autocast(kind, dtype=AMP_DTYPES[p], enabled=p != "fp32"):
                     F.cross_entropy(net(micro[0][0]), micro[0][1])
 
-            t = time_fn(step, warmup=2, iters=5, device=device) if cuda else None
+            t = time_fn(step, warmup=2, iters=TIMED_STEPS, device=device) if cuda else None
             rows.append(
                 {
                     "precision": p,
@@ -283,6 +289,97 @@ def format_memory_rows(rows: Sequence[dict]) -> str:
     return "\n".join(out)
 
 
+def saved_kinds(
+    model: str = "small_resnet", batch: int = 512, precision: str = "fp32", probe: int = 2
+) -> dict[str, int]:
+    """Chapter 04: bytes one forward of `model` saves for backward, by kind (course_lib.timing.saved_bytes_by_kind,
+    summed over dtypes), counted on the CPU with `probe` samples. As in memory_rows, the micro-batch is a view of an
+    input batch of `batch` samples, so "existing" is what recordings without `saved_counts` also counted in
+    saved_micro and peak_saved: the parameters the graph saves and, in fp32, the whole input batch's storage."""
+    return dict(_saved_kinds(model, batch, precision, probe))
+
+
+@functools.lru_cache(maxsize=8)
+def _saved_kinds(model: str, batch: int, precision: str, probe: int) -> tuple[tuple[str, int], ...]:
+    shape, kwargs = WORKLOADS[model]
+    with torch.random.fork_rng():  # the values do not matter here; the caller's random state stays as it was
+        net = build_model(model, **kwargs)
+        x, y = torch.randn(batch, *shape), torch.randint(0, 10, (batch,))
+
+    def forward() -> None:
+        with torch.autocast("cpu", dtype=AMP_DTYPES[precision], enabled=precision != "fp32"):
+            F.cross_entropy(net(x[:probe]), y[:probe])
+
+    return tuple((kind, sum(by_dtype.values())) for kind, by_dtype in saved_bytes_by_kind(forward).items())
+
+
+def recount_saved(ref: dict) -> tuple[list[dict], dict[str, int]]:
+    """Chapter 04: a recording's rows with saved_micro and peak_saved counted as memory_rows counts them now
+    (activations and weight copies), and the bytes taken off per precision: for a file recorded before
+    `saved_counts` existed, the "existing" bytes of saved_kinds (measured here, on the CPU); none for a newer file."""
+    if ref.get("saved_counts") == SAVED_COUNTS:
+        return list(ref["rows"]), {}
+    kw = {"model": ref.get("model", "small_resnet"), "batch": ref.get("batch", 512)}
+    extra = {p: saved_kinds(precision=p, **kw)["existing"] for p in dict.fromkeys(r["precision"] for r in ref["rows"])}
+    fix = {"saved_micro", "peak_saved"}
+    return [{k: v - extra[r["precision"]] if k in fix else v for k, v in r.items()} for r in ref["rows"]], extra
+
+
+def _versus(a: dict, b: dict) -> str:
+    """a's step time against b's, in words: the medians' ratio, judged against the middle halves."""
+    ratio = a["ms"] / b["ms"]
+    apart = max(a["ms_q"][0], b["ms_q"][0]) > min(a["ms_q"][1], b["ms_q"][1])
+    word = "faster" if ratio < 1 else "slower"
+    if apart:
+        return f"{ratio:.2f}, {word} (the middle halves do not overlap)"
+    if abs(ratio - 1) <= 0.1:
+        return f"{ratio:.2f}, the same within the spread"
+    return f"{ratio:.2f}, {word} by the medians, but the middle halves overlap"
+
+
+def read_memory_rows(rows: Sequence[dict]) -> str:
+    """Chapter 04: memory_rows in words, computed from the numbers. Per precision, from one micro-batch to the most: how
+    much the peaks fell and the step slowed, and the time per micro-batch; then the mixed precision's step time
+    against fp32's at each split, with the spread of the timed steps."""
+    out, by = [], {p: [r for r in rows if r["precision"] == p] for p in dict.fromkeys(r["precision"] for r in rows)}
+    for p, mine in by.items():
+        a, b = mine[0], mine[-1]
+        saved = a["peak_saved"] / b["peak_saved"]
+        peak = a["peak"] / b["peak"] if a["peak"] and b["peak"] else None  # None: not measured (a CPU)
+        line = f"{p}, {a['micro_batches']} -> {b['micro_batches']} micro-batches: peak saved {saved:.1f}x smaller"
+        out.append(
+            line
+            + (f", peak CUDA {peak:.2f}x smaller" if peak else "")
+            + (f", step {b['ms'] / a['ms']:.1f}x longer" if a["ms"] and b["ms"] else "")
+        )
+        if peak and peak < 1 + (saved - 1) / 4:
+            out.append("    the peak hardly moved: the saved activations do not set it in this step")
+    timed = {p: mine for p, mine in by.items() if all(r["ms"] for r in mine)}
+    if not timed:
+        return "\n".join(out)
+    per = {p: [(r["micro_size"], r["ms"] / r["micro_batches"]) for r in mine] for p, mine in timed.items()}
+    out.append("ms per micro-batch, at " + ", ".join(str(n) for n, _ in next(iter(per.values()))) + " samples:")
+    out += [f"  {p:<6}" + "".join(f"{ms:>7.1f}" for _, ms in mine) for p, mine in per.items()]
+    stalls = [f"{p} {a[0]} -> {b[0]}" for p, mine in per.items() for a, b in zip(mine, mine[1:]) if b[1] > 0.75 * a[1]]
+    if stalls:
+        out.append("a micro-batch half as large, less than 25% quicker: " + ", ".join(stalls))
+    for p in [q for q in timed if q != "fp32" and "fp32" in timed]:
+        fp32 = {r["micro_batches"]: r for r in timed["fp32"]}
+        out.append(f"{p} step time / fp32's (below 1: {p} is faster):")
+        out += [
+            f"  {r['micro_batches']:>3} x {r['micro_size']:<4} {_versus(r, fp32[r['micro_batches']])}"
+            for r in timed[p]
+            if r["micro_batches"] in fp32
+        ]
+    widest = max((r for mine in timed.values() for r in mine), key=lambda r: (r["ms_q"][1] - r["ms_q"][0]) / r["ms"])
+    out.append(
+        f"{TIMED_STEPS} timed steps per row; the widest middle half spans "
+        f"{(widest['ms_q'][1] - widest['ms_q'][0]) / widest['ms']:.0%} of its median "
+        f"({widest['precision']}, {widest['micro_batches']} x {widest['micro_size']})"
+    )
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m course_lib.chapters.accumulation",
@@ -297,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rows = memory_rows(args.device, args.model, args.batch, args.accum, args.precisions)
     command = "python -m course_lib.chapters.accumulation " + " ".join(argv if argv is not None else sys.argv[1:])
-    record(command, format_memory_rows(rows), args.json, rows=rows, model=args.model, batch=args.batch)
+    text = format_memory_rows(rows) + "\n" + read_memory_rows(rows)
+    record(command, text, args.json, rows=rows, model=args.model, batch=args.batch, saved_counts=SAVED_COUNTS)
     return 0
 
 
