@@ -190,6 +190,17 @@ def test_cli_records_the_sweep_with_provenance_on_a_cpu(tmp_path, capsys):
     assert "loader sweep" in capsys.readouterr().out
 
 
+def test_the_recorded_sweep_tries_no_more_workers_than_the_cores(monkeypatch):
+    assert L._sweep_workers(2) == [0, 1, 2]  # a Colab VM
+    assert L._sweep_workers(6) == [0, 1, 2, 4, 6] and L._sweep_workers(16) == [0, 1, 2, 4, 8, 12, 16]
+    seen = {}
+    monkeypatch.setattr(L, "cpus", lambda: 2)
+    monkeypatch.setattr(L, "_sweep_record", lambda batch, workers, demand, steps: seen.setdefault("w", workers) and {})
+    monkeypatch.setattr(L, "record", lambda *a, **k: None)
+    monkeypatch.setattr(L, "format_reference", lambda payload: "")
+    assert L.main(["--device", "cpu"]) == 0 and seen["w"] == [0, 1, 2]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="times host-to-device copies: needs a CUDA GPU")
 def test_copy_timings_on_a_gpu():
     rows = L.copy_timings("cuda", mib=16, busy_ms=5, iters=3)

@@ -101,3 +101,18 @@ def test_the_reference_cli_records_every_mode(tmp_path, capsys):
     assert ref["provenance"]["command"].startswith("python -m course_lib.chapters.multi")
     text = multi.format_reference(ref)
     assert all(len(line) <= 100 for line in text.splitlines()) and "fp32" in text
+
+
+def test_a_live_run_is_sized_by_what_this_machine_measured(monkeypatch):
+    assert multi.steps_within(20, 0.005) == 2000  # 4,000 fit: capped
+    assert multi.steps_within(20, 0.0238) == 800  # 840 fit: rounded down to a multiple of 100
+    assert multi.steps_within(20, 0.5) == 100 and multi.steps_within(30, 0.1, lo=100, hi=300) == 300
+    calls = []
+
+    def fake_train_gan(images, mode, steps, batch_size):
+        calls.append(steps)
+        return None, None, multi.GanHistory(seconds=0.05 * steps)  # 50 ms an iteration
+    monkeypatch.setattr(multi, "train_gan", fake_train_gan)
+    n, per = multi.gan_iterations(torch.zeros(4, 1, 28, 28), multi.amp_mode("cpu"), budget_s=25, hi=300)
+    assert calls == [3, 10] and per == pytest.approx(0.05) and n == 300  # warm-up untimed, then the probe
+    assert multi.gan_iterations(torch.zeros(4, 1, 28, 28), multi.amp_mode("cpu"), budget_s=12)[0] == 200

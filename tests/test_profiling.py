@@ -14,6 +14,7 @@ from course_lib.chapters import measured_steps as M
 from course_lib.chapters import profiling as P
 from course_lib.chapters import traces as T
 from course_lib.models import MLP
+from course_lib.timing import Timing
 from course_lib.train import TrainConfig, Trainer
 
 matplotlib.use("Agg")
@@ -244,3 +245,80 @@ def test_cuda_memory_per_phase_and_snapshot(tmp_path):
     assert phases["start"] > 0 and phases["backward"] >= phases["start"]
     summary = M.memory_snapshot_summary(lambda: trainer.train_step(batch), tmp_path / "s.pickle")
     assert summary["allocs"] > 0 and summary["largest"] and (tmp_path / "s.pickle").exists()
+
+
+def _frame(filename, line, name):
+    return {"filename": filename, "line": line, "name": name}
+
+
+CPP_BACKWARD = [_frame("??", 0, "torch::unwind::unwind()"),
+                _frame("??", 0, "c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc(...)"),
+                _frame("??", 0, "at::native::empty_cuda(...)"),
+                _frame("??", 0, "torch::autograd::generated::ConvolutionBackward0::apply(std::vector<at::Tensor>&&)"),
+                _frame("??", 0, "torch::autograd::Engine::evaluate_function(...)"),
+                _frame("??", 0, "torch::autograd::Engine::thread_main(std::shared_ptr<GraphTask> const&)")]
+ENGINE_ONLY = [_frame("??", 0, "torch::unwind::unwind()"), _frame("??", 0, "torch::autograd::Engine::thread_main()")]
+NO_AUTOGRAD = [_frame("??", 0, "torch::unwind::unwind()"), _frame("??", 0, "ncclKernelLaunch")]
+FORWARD = [_frame("??", 0, "torch::unwind::unwind()"),
+           _frame("/usr/lib/python3/site-packages/torch/nn/modules/conv.py", 548, "_conv_forward"),
+           _frame("/work/course/course_lib/models.py", 37, "forward"),
+           _frame("/tmp/ipykernel_1/123.py", 4, "<module>")]
+
+
+def test_snapshot_allocations_are_placed_by_python_frame_and_backward_ones_are_named():
+    # A fake snapshot shaped like torch.cuda.memory._snapshot(): innermost frame first, as the allocator records
+    MiB = 2 ** 20
+    snap = {"segments": [{"total_size": 8 * MiB}, {"total_size": 2 * MiB}],
+            "device_traces": [[
+                {"action": "alloc", "size": 3 * MiB, "frames": FORWARD},
+                {"action": "alloc", "size": 4 * MiB, "frames": CPP_BACKWARD},
+                {"action": "free_requested", "size": 3 * MiB, "frames": FORWARD},
+                {"action": "free_completed", "size": 3 * MiB, "frames": FORWARD},
+                {"action": "alloc", "size": 1 * MiB, "frames": ENGINE_ONLY},
+                {"action": "alloc", "size": 2 * MiB, "frames": NO_AUTOGRAD},
+            ]]}
+    s = M.summarise_snapshot(snap)
+    assert s["allocs"] == 4 and s["peak_mib"] == 7.0 and s["reserved_mib"] == 10.0
+    assert [(a["mib"], a["where"]) for a in s["largest"]] == [
+        (4.0, "autograd backward, ConvolutionBackward0 (no Python frame)"),
+        (3.0, "models.py:37 forward"),  # the first Python frame outside torch, not conv.py or the C++ frames
+        (2.0, "no Python frame (C++ only)"),
+        (1.0, "autograd backward (no Python frame)"),
+    ]
+    assert all("unwind" not in a["where"] for a in s["largest"])
+    inside_torch_only = [_frame("??", 0, "x"), _frame("/site-packages/torch/optim/adamw.py", 90, "_single_tensor")]
+    assert M.allocation_site(inside_torch_only) == "adamw.py:90 _single_tensor"
+    assert M.allocation_site([_frame("<string>", 1, "<module>")]) == "<string>:1 <module>"
+
+
+def test_a_recorded_snapshot_without_python_frames_reads_as_autograd_backward():
+    ref = {"memory": {}, "snapshot": {"allocs": 2, "peak_mib": 2.0, "reserved_mib": 4.0, "largest": [
+        {"mib": 1.5, "where": "??:0 torch::unwind::unwind()"}, {"mib": 1.0, "where": "models.py:37 forward"}]}}
+    text = P.format_reference(ref, "memory")
+    assert "1.5 MiB  autograd backward (no Python frame)" in text and "1.0 MiB  models.py:37 forward" in text
+    assert "first C++ frame" in text and all(len(line) <= 100 for line in text.splitlines())
+
+
+def _ways(naive, nosync, proper):
+    return {"naive": Timing(naive), "no sync": Timing(nosync), "proper": Timing(proper)}
+
+
+def test_the_three_timings_are_read_against_each_other():
+    # The H100 record of 2026-11-26, rounded: a first call 0.58 ms long, 0.65 ms left queued: they cancel
+    h100 = _ways([3.65, 2.84, 2.79, 2.45, 2.55], [2.21, 2.34, 2.22, 2.23, 2.19, 2.27, 1.99, 1.85, 6.16, 2.04],
+                 [2.80, 2.92, 2.96, 2.85, 2.82, 2.95, 2.91, 2.88, 2.78, 2.81])
+    text = M.read_timing_ways(h100)
+    assert "naive - no sync  = +0.58 ms" in text and "proper - no sync = +0.65 ms" in text and "cancel" in text
+    cpu = M.read_timing_ways(_ways([9.0, 9.5, 10.0], [5.0, 5.1, 4.9, 5.0], [5.0, 5.05, 4.95, 5.1]))
+    assert "nothing was left queued" in cpu and "+4.50 ms" in cpu
+    warm_gpu = M.read_timing_ways(_ways([2.0, 2.1, 2.0], [2.0, 2.05, 1.95, 2.0], [3.0, 3.05, 2.95, 3.0]))
+    assert "short by what the missing synchronize drops, 1.00 ms" in warm_gpu
+    cold_gpu = M.read_timing_ways(_ways([300.0, 310.0], [2.0, 2.05, 1.95, 2.0], [3.0, 3.05, 2.95, 3.0]))
+    assert "long by" in cold_gpu
+    for t in (text, cpu, warm_gpu, cold_gpu):
+        assert all(len(line) <= 100 for line in t.splitlines())
+
+
+def test_a_first_call_within_the_spread_is_not_read_as_a_cost():
+    noisy = M.read_timing_ways(_ways([76.0, 70.0, 117.0], [100.0, 68.0, 156.0, 99.0], [99.0, 34.0, 125.0, 101.0]))
+    assert "cannot tell it from the spread" in " ".join(noisy.split()) and "alone, -" not in noisy

@@ -312,6 +312,13 @@ def format_reference(ref: dict) -> str:
     return "\n".join(parts)
 
 
+def _sweep_workers(cores: int | None = None) -> list[int]:
+    """The num_workers values the recorded sweep tries: 0, 1, 2, 4, 8, 12, 16 as far as this machine's
+    cores go, and the cores themselves (a Colab VM has 2), as chapter 07 sizes workers."""
+    n = cores or cpus()
+    return sorted({w for w in (0, 1, 2, 4, 8, 12, 16) if w <= n} | {n})
+
+
 def _sweep_record(batch_size: int, workers: Sequence[int], demand_x: float, steps: int) -> dict:
     """The loader sweep of the chapter, at `demand_x` times one core's rate, as plain data."""
     images, labels = raw_images(load_dataset(train_size=4000, verbose=False))
@@ -343,13 +350,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--mib", type=int, default=64, help="size of the copied batch")
-    p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2, 4, 8, 12, 16])
+    p.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        default=None,
+        help="num_workers values to sweep (default: 0, 1, 2, 4, 8, 12, 16 up to this machine's cores, and the cores)",
+    )
     p.add_argument("--demand", type=float, default=6.0, help="the simulated model's rate, x one core's rate")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--json", help="also write the results with provenance (data/reference/loading_<gpu>.json)")
     args = p.parse_args(argv)
     copies = copy_timings(args.device, args.mib) if args.device.startswith("cuda") else []
-    payload = {"copies": copies, "sweep": _sweep_record(64, args.workers, args.demand, args.steps)}
+    workers = args.workers or _sweep_workers()
+    payload = {"copies": copies, "sweep": _sweep_record(64, workers, args.demand, args.steps)}
     command = "python -m course_lib.chapters.loading " + " ".join(argv if argv is not None else sys.argv[1:])
     record(command, format_reference(payload), args.json, **payload)
     return 0

@@ -4,7 +4,8 @@ Chapter 06. `make_trainer` builds one training step of the course model, sized f
 and `bottleneck_steps` three steps with one bottleneck each built in; course_lib.chapters.profiling
 profiles them. Without the profiler: a step timed naively and properly (`naive_vs_proper`), the
 cost of reading the loss back every step (`sync_cost`), and on a GPU the memory of each phase of
-a step (`cuda_phase_memory`) and the allocator's history (`memory_snapshot_summary`):
+a step (`cuda_phase_memory`) and the allocator's history (`memory_snapshot_summary`, read by
+`summarise_snapshot`):
 
     trainer, batch = make_trainer()              # one step is trainer.train_step(batch)
     print(format_timings(sync_cost()))           # the loss read back every step, and every 10 steps
@@ -16,6 +17,8 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+import re
+import textwrap
 import time
 from pathlib import Path
 from typing import Callable
@@ -33,10 +36,12 @@ __all__ = [
     "make_trainer",
     "bottleneck_steps",
     "naive_vs_proper",
+    "read_timing_ways",
     "sync_cost",
     "format_timings",
     "cuda_phase_memory",
     "memory_snapshot_summary",
+    "summarise_snapshot",
 ]
 
 
@@ -134,6 +139,46 @@ def naive_vs_proper(
     return {"naive": Timing(naive), "no sync": Timing(nosync), "proper": proper}
 
 
+def read_timing_ways(ways: dict[str, Timing]) -> str:
+    """Chapter 06: naive_vs_proper's three timings read against each other, in numbers and words.
+
+    naive - no sync: what a fresh model's first call costs above a warm call (both unsynchronised);
+    proper - no sync: the work still queued when a clock stops without a synchronize. The naive
+    number is off from the proper one by the first minus the second: they can cancel.
+    """
+    naive, nosync, proper = ways["naive"], ways["no sync"], ways["proper"]
+    first, missed = naive.median_ms - nosync.median_ms, proper.median_ms - nosync.median_ms
+    noise = max(hi - lo for lo, hi in (proper.quartiles_ms, nosync.quartiles_ms))  # the wider middle half
+    lines = [
+        f"naive - no sync  = {first:+.2f} ms: a fresh model's first call, above a warm call",
+        f"proper - no sync = {missed:+.2f} ms: still running when a clock stops without a synchronize",
+        f"naive - proper   = {first - missed:+.2f} ms (the middle halves of these runs are up to {noise:.2f} ms wide)",
+    ]
+    if abs(missed) <= noise:
+        words = (
+            "No sync and proper agree within the spread: nothing was left queued (on a CPU each op has run "
+            "when its call returns), so the naive error is the first call's cost alone"
+            + (f", {first:+.2f} ms." if abs(first) > noise else ", and this run cannot tell it from the spread.")
+        )
+    elif abs(first) <= noise:
+        words = (
+            "The first call cost no more than the spread (whatever it sets up was already set up in this "
+            f"process), so the naive number is short by what the missing synchronize drops, {missed:.2f} ms."
+        )
+    elif abs(first - missed) <= noise:
+        words = (
+            f"Both errors are real, {first:.2f} ms of first-call cost and {missed:.2f} ms that the clock "
+            "missed, and here they cancel: a naive number this close to the proper one is luck, not a "
+            "measurement."
+        )
+    else:
+        words = (
+            f"The naive number is {'long' if first > missed else 'short'} by {abs(first - missed):.2f} ms: "
+            f"{first:.2f} ms of first-call cost against {missed:.2f} ms that the missing synchronize dropped."
+        )
+    return "\n".join(lines + [textwrap.fill(words, 100)])
+
+
 def sync_cost(device: str = "auto", steps: int = 10, iters: int = 7, **trainer_kw) -> dict[str, Timing]:
     """Chapter 06: ms per training step when the loss is read back every step (log_every=1: a
     `.tolist()`, i.e. a device-to-host copy and a synchronize, per step) and every `steps` steps."""
@@ -183,8 +228,7 @@ def cuda_phase_memory(trainer: Trainer, batch: list[tuple[torch.Tensor, torch.Te
 
 def memory_snapshot_summary(step: Callable[[], object], path: str | os.PathLike, steps: int = 2) -> dict:
     """Chapter 06: record the CUDA allocator's history over `steps` steps, dump the snapshot to `path`
-    (drag it into https://pytorch.org/memory_viz) and summarise it: allocations, the peak allocated
-    since recording began, and the five largest allocations with the line of code that made them."""
+    (drag it into https://pytorch.org/memory_viz) and summarise it with `summarise_snapshot`."""
     torch.cuda.memory._record_memory_history(max_entries=200_000)
     try:
         for _ in range(steps):
@@ -194,21 +238,49 @@ def memory_snapshot_summary(step: Callable[[], object], path: str | os.PathLike,
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     with open(path, "rb") as f:
-        snap = pickle.load(f)
+        return summarise_snapshot(pickle.load(f))
+
+
+BACKWARD = "autograd backward (no Python frame)"
+
+
+def _is_python(frame: dict) -> bool:
+    # A Python frame names a source file (a notebook cell's too: ipykernel writes cells to *.py
+    # files) or a pseudo-file such as <string>; a C++ frame names ?? or a .cpp/.h/.so file.
+    return frame["filename"].endswith(".py") or frame["filename"].startswith("<")
+
+
+def allocation_site(frames: list[dict]) -> str:
+    """Where an allocation of a CUDA memory snapshot was made, from its stack (innermost frame first).
+
+    The first Python frame outside torch: the line of the course's (or your) code that asked for the
+    memory. An allocation made on autograd's backward thread has no Python frame at all: the engine
+    runs CUDA backward functions on a C++ thread of its own, so only C++ frames were recorded. It is
+    labelled as such, with the backward function's name where a C++ frame gives it.
+    """
+    python = [f for f in frames if _is_python(f)]
+    if python:
+        f = next((f for f in python if "/torch/" not in f["filename"].replace("\\", "/")), python[0])
+        return f"{Path(f['filename']).name}:{f['line']} {f['name']}"
+    names = [f.get("name", "") for f in frames]
+    if any("autograd" in n for n in names):
+        node = next((m[1] for n in names if (m := re.search(r"(\w+Backward\d*|AccumulateGrad)::apply", n))), "")
+        return BACKWARD.replace(" (", f", {node} (") if node else BACKWARD
+    return "no Python frame (C++ only)"
+
+
+def summarise_snapshot(snap: dict) -> dict:
+    """Chapter 06: a CUDA memory snapshot (torch.cuda.memory._snapshot() or its pickle) in numbers:
+    allocations, the peak allocated since recording began, the memory reserved, and the five largest
+    allocations with where they were made (`allocation_site`)."""
     trace, cur, peak, mib = [e for dev in snap["device_traces"] for e in dev], 0, 0, 2.0**20
     for e in trace:  # replay the allocator's history: bytes allocated since recording began
         cur += {"alloc": e["size"], "free_completed": -e["size"]}.get(e["action"], 0)
         peak = max(peak, cur)
-
-    def where(e: dict) -> str:  # the first frame outside torch: the line of code that asked for the memory
-        frames = [f for f in e.get("frames", []) if "/torch/" not in f["filename"] and f["line"] > 0]
-        f = (frames or e.get("frames") or [{"filename": "?", "line": 0, "name": "?"}])[0]
-        return f"{Path(f['filename']).name}:{f['line']} {f['name']}"
-
     allocs = sorted((e for e in trace if e["action"] == "alloc"), key=lambda e: -e["size"])
     return {
         "allocs": len(allocs),
         "peak_mib": peak / mib,
         "reserved_mib": sum(s["total_size"] for s in snap["segments"]) / mib,
-        "largest": [{"mib": e["size"] / mib, "where": where(e)} for e in allocs[:5]],
+        "largest": [{"mib": e["size"] / mib, "where": allocation_site(e.get("frames", []))} for e in allocs[:5]],
     }

@@ -41,6 +41,7 @@ __all__ = [
     "gan_step",
     "GanHistory",
     "train_gan",
+    "gan_iterations",
     "image_grid",
     "penalty_backward",
     "penalty_reference",
@@ -244,6 +245,34 @@ def train_gan(
             getattr(hist, key).append(r[key])
     hist.seconds = time.perf_counter() - t0
     return gen, disc, hist
+
+
+def steps_within(budget_s: float, seconds_per_step: float, lo: int = 100, hi: int = 2000, multiple: int = 100) -> int:
+    """How many steps of `seconds_per_step` fit in `budget_s`, rounded down to a multiple
+    of `multiple` and kept within [lo, hi]: a live run sized by what this machine measured."""
+    fit = int(budget_s / max(seconds_per_step, 1e-9)) // multiple * multiple
+    return max(lo, min(hi, fit))
+
+
+def gan_iterations(
+    images: torch.Tensor,
+    mode: AmpMode,
+    budget_s: float,
+    lo: int = 100,
+    hi: int = 2000,
+    batch_size: int = 64,
+    warmup: int = 3,
+    probe: int = 10,
+) -> tuple[int, float]:
+    """Chapter 05: (iterations, seconds per iteration): how many GAN iterations fit in `budget_s` here.
+
+    Times `probe` iterations of train_gan after `warmup` untimed ones (the first calls set up
+    kernels and libraries). The GAN's time per iteration depends on the host (it is launch- and
+    sync-bound on a GPU, and CPU fp16 kernels are fast only on some CPUs), not on a rule.
+    """
+    train_gan(images, mode, steps=warmup, batch_size=batch_size)
+    per = train_gan(images, mode, steps=probe, batch_size=batch_size)[2].seconds / probe
+    return steps_within(budget_s, per, lo, hi), per
 
 
 def image_grid(images: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

@@ -35,12 +35,14 @@ from ..device import pick_device
 from ..reference import record
 from ..timing import Timing, compare, synchronize, time_fn
 from .measured_steps import (
+    BACKWARD,
     bottleneck_steps,
     cuda_phase_memory,
     format_timings,
     make_trainer,
     memory_snapshot_summary,
     naive_vs_proper,
+    read_timing_ways,
     sync_cost,
 )
 from .traces import FIXES, diagnose, format_summary, load_trace, trace_summary
@@ -266,6 +268,16 @@ def format_reference(ref: dict, part: str) -> str:
         t = {k: Timing(v) for k, v in rows.items()}
         base = "fp32" if part == "steps" else list(t)[-1]
         out += [f"{size} model, ms per step:"] * bool(size) + [format_timings(t), compare(t, base)]
+    if part == "timing":
+        out.append(read_timing_ways({k: Timing(v) for k, v in ref["timing"].items()}))
+        on_gpu = any(v["summary"].get("device") == "cuda" for v in ref.get("steps", {}).values())
+        out += [
+            textwrap.fill(
+                "(The recording times this after profiling the steps of sections 4 and 5 on the same GPU, in "
+                "the same process: CUDA, cuBLAS, cuDNN and the allocator's cache were already set up.)",
+                100,
+            )
+        ] * on_gpu
     if part == "memory":
         cols = ("start", "forward", "backward", "optimizer", "end")
         out.append(f"{'MiB':<6}" + "".join(f"{k:>11}" for k in cols))
@@ -275,8 +287,24 @@ def format_reference(ref: dict, part: str) -> str:
                 f"snapshot: {snap['allocs']} allocations, peak {snap['peak_mib']:.1f} MiB above the start, "
                 f"{snap['reserved_mib']:.1f} MiB reserved; largest:"
             )
-            out += [f"  {a['mib']:8.1f} MiB  {a['where']}" for a in snap["largest"]]
+            sites = [_site(a["where"]) for a in snap["largest"]]
+            out += [f"  {a['mib']:8.1f} MiB  {site}" for a, site in zip(snap["largest"], sites)]
+            old = [a["where"] for a, site in zip(snap["largest"], sites) if site != a["where"]]
+            if old:
+                out.append(
+                    textwrap.fill(
+                        f"(This file names an allocation without a Python frame by its first C++ frame, {old[0]}; "
+                        "in a training step such allocations are made on autograd's backward thread.)",
+                        100,
+                    )
+                )
     return "\n".join(out)
+
+
+def _site(where: str) -> str:
+    # Files recorded before allocation_site existed name an allocation without a Python frame by its first
+    # C++ frame ("??:0 torch::unwind::unwind()"): in a training step, those are autograd's backward thread.
+    return BACKWARD if where.startswith("??:") else where
 
 
 # --------------------------------------------------------------------------- recording a reference
