@@ -17,12 +17,13 @@ LAB_ARGS ?=
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: help venv lab test test-gpu bench exercises check-exercises stamp grade clean
+.PHONY: help venv lab test test-gpu test-floor bench exercises check-exercises stamp grade clean
 
 help:
 	@echo "make lab        open JupyterLab on the course (creates .venv on first use)"
 	@echo "make test       run every test: library, notebooks (nbval), grading, exercises in sync"
 	@echo "make test-gpu   the same suite with the current python3 and the GPU cells forced on"
+	@echo "make test-floor library tests and chapters on the LOWEST torch/torchvision pyproject.toml allows (.venv-floor)"
 	@echo "make bench      FP32 / TF32 / AMP table for this machine (python -m course_lib.chapters.bench)"
 	@echo "make exercises  regenerate exercises/ from solutions/"
 	@echo "make stamp      write the Colab badge and setup cell (from pyproject.toml) into every notebook"
@@ -67,6 +68,30 @@ test-gpu:
 	python3 -m course_lib.device
 	COURSE_GPU_TIER=1 python3 -m pytest $(SUITE) $(NBVAL) -p no:cacheprovider
 
+# The declared floor, tested: a second venv with exactly the lowest torch and torchvision that
+# pyproject.toml allows (read from it by tools/floor_constraints.py, so raising a floor moves
+# this target), pinned by a constraints file so that nothing pip resolves can upgrade them.
+# PyPI's Linux torch is the CUDA build: its nvidia-* packages are installed too, because torch
+# 2.6 does not import without them (libcudart.so.12), even on a machine with no GPU.
+FLOOR_VENV  := .venv-floor
+FLOOR_VPY   := $(FLOOR_VENV)/bin/python
+FLOOR_STAMP := $(FLOOR_VENV)/.installed-stamp
+FLOOR_SUITE ?= tests notebooks
+
+$(FLOOR_STAMP): pyproject.toml tools/floor_constraints.py
+	@test -x $(FLOOR_VPY) || $(PYTHON) -m venv $(FLOOR_VENV)
+	$(PYTHON) tools/floor_constraints.py pyproject.toml > $(FLOOR_VENV)/floor-constraints.txt
+	$(FLOOR_VPY) -m pip install -q --upgrade pip
+	$(FLOOR_VPY) -m pip install -q -c $(FLOOR_VENV)/floor-constraints.txt -e ".[lab,test]"
+	@$(FLOOR_VPY) -c "import torch, torchvision; print('floor: torch', torch.__version__, 'torchvision', torchvision.__version__)"
+	@touch $(FLOOR_STAMP)
+
+# Same flags as `make test`; conftest.py hides CUDA. -p no:cacheprovider keeps this run's
+# failures out of .pytest_cache, which belongs to .venv's runs (pytest --lf).
+test-floor: $(FLOOR_STAMP)
+	$(FLOOR_VPY) -m course_lib.device
+	$(FLOOR_VPY) -m pytest $(FLOOR_SUITE) $(NBVAL) -p no:cacheprovider
+
 bench: $(STAMP)
 	$(VPY) -m course_lib.chapters.bench
 
@@ -84,4 +109,4 @@ grade: $(STAMP)
 	$(VPY) -m course_lib.tooling.grader $(SUBMISSIONS) --out $(GRADEBOOK) --jobs $(JOBS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache runs gradebook
+	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache runs gradebook

@@ -1,5 +1,6 @@
 """What a Colab user installs: floors only, never a pin or a ceiling (Colab keeps its own torch)."""
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -49,3 +50,11 @@ def test_the_declared_torch_floor_has_every_api_the_course_calls():
     for api, since in NEWEST_APIS.items():
         assert api in sources, f"{api!r} is no longer used: drop it from the table"
         assert declared >= since, f"{api!r} needs torch>={since[0]}.{since[1]}; pyproject.toml declares {floor}"
+
+
+def test_make_test_floor_pins_exactly_the_declared_floors():
+    # `make test-floor` installs against these lines: raising a floor in pyproject.toml moves the target
+    done = subprocess.run([sys.executable, "tools/floor_constraints.py", "pyproject.toml"], cwd=ROOT,
+                          capture_output=True, text=True, check=True)
+    floors = [d.replace(">=", "==") for d in dependencies() if d.startswith(("torch>=", "torchvision>="))]
+    assert done.stdout.split() == floors

@@ -252,6 +252,15 @@ def fsdp_gradient(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    # FSDP2 on a CPU before torch 2.9, each found on the running torch: 2.6's CPU Stream lacks the no-op record_event/
+    # wait_event FSDP2 calls (added in 2.7, pytorch#145935), and 2.6's second all-gather in backward bumps the version
+    # counter of tensors forward saved (pytorch#136303), so there each layer stays gathered until backward; up to 2.8,
+    # gloo's reduce-scatter sums where FSDP2 asks for the average (pytorch#162338): `summed` undoes it in `full`.
+    old_cpu = r.device.type == "cpu" and not hasattr(torch.cpu.Stream, "record_event")
+    if old_cpu:
+        torch.cpu.Stream.record_event, torch.cpu.Stream.wait_event = lambda self: None, lambda self, event: None
+    summed = torch.zeros(1, device=r.device)
+    dist.reduce_scatter_tensor(summed, torch.ones(r.world, device=r.device), op=dist.ReduceOp.AVG)  # 1: averaged
     mesh = init_device_mesh(r.device.type, (r.world,))
     result = {}
     for name, policy in (
@@ -262,11 +271,11 @@ def fsdp_gradient(
         model.load_state_dict(init)
         for layer in model.modules():
             if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh, mp_policy=policy)  # one all-gather per layer
+                fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=not old_cpu)  # per layer
         fully_shard(model, mesh=mesh, mp_policy=policy)
         logits = model(x)
         F.cross_entropy(logits, y).backward()
-        full = {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()}  # a collective
+        full = {n: p.grad.full_tensor().cpu() / summed.item() for n, p in model.named_parameters()}  # a collective
         diff = max(((full[n] - g).abs().max() / g.abs().max()).item() for n, g in ddp_grads.items())
         shapes = {n: [list(p.to_local().shape), list(p.shape)] for n, p in model.named_parameters()}
         held = sum(p.to_local().numel() for p in model.parameters())

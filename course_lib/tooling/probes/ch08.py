@@ -88,6 +88,10 @@ def wrapped_init(self, module, *args, **kwargs):
     ddp_init(self, module, *args, **kwargs)
     if any(m is log.get("model") for m in module.modules()):
         self.register_comm_hook(None, counted_allreduce)
+        # Kept until the run is over. Freed as the learner's function returns, right after the last all-reduce,
+        # DDP's reducer frees the group while gloo's thread may still drop this hook's Python objects: torch 2.6
+        # joins that thread holding the GIL, which the thread waits for, and the rank hangs (the ch08 tests did).
+        log["wrappers"].append(self)
 
 
 def wrapped_forward(self, *args, **kwargs):
@@ -161,7 +165,7 @@ try:
         data = Recorded(torch.tensor(run["x"]), torch.tensor(run["y"]))
         log.clear()
         log.update(model=model, data=data, param_ids={id(p) for p in model.parameters()}, forwards=[], asked=[],
-                   allreduces=0, steps=0, scales=[], injected=False)
+                   allreduces=0, steps=0, scales=[], injected=False, wrappers=[])
         model.register_forward_hook(after_forward)
         if run.get("overflow") and rank == 0:
             model[2].weight.register_hook(overflow_once)
@@ -174,6 +178,8 @@ try:
                         **{k: log[k] for k in ("forwards", "allreduces", "steps", "scales", "injected")}})
         if is_initialized():
             dist.destroy_process_group()  # the judge tells the learner; the next run must be able to start
+        time.sleep(0.1)  # the GIL released: gloo's threads drop what they hold (see wrapped_init) ...
+        log["wrappers"].clear()  # ... before the DDP wrappers, and with them the group, are freed
 except BaseException as e:
     failure = {"rank": rank, "time": time.time(), "error": f"{type(e).__name__}: {e}"}
     open(os.path.join(out, f"failed_rank{rank}.json"), "w").write(json.dumps(failure))
