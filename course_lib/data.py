@@ -87,13 +87,11 @@ class DatasetBundle:
         return tuple(self.train.tensors[0].shape[1:])
 
 
-def downloads_allowed() -> bool:
-    """May the loader touch the network? Never in CI, offline mode, or under pytest."""
-    if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
-        return False
-    if os.environ.get("COURSE_OFFLINE", "").lower() in ("1", "true", "yes"):
-        return False
-    return "PYTEST_CURRENT_TEST" not in os.environ
+def downloads_off() -> str:
+    """Why the loader may not touch the network ("" when it may): each of CI, COURSE_OFFLINE, pytest that holds."""
+    on = [var for var in ("CI", "COURSE_OFFLINE") if os.environ.get(var, "").lower() in ("1", "true", "yes")]
+    pytest = ["this is a pytest run"] if "PYTEST_CURRENT_TEST" in os.environ else []
+    return "; ".join([f"{var}={os.environ[var]} is set" for var in on] + pytest)
 
 
 def default_cache_dir() -> Path:
@@ -267,7 +265,7 @@ def load_dataset(
       its licence is unknown, so it is never shipped), or "synthetic" (random 3x32x32 images
       with random labels, for throughput work).
     full: Fashion-MNIST's full 60k/10k, from the Debian package or a download.
-    allow_download: None means downloads_allowed() (False in CI, with COURSE_OFFLINE=1, under pytest).
+    allow_download: None means allowed unless downloads_off() names a reason (CI, COURSE_OFFLINE, pytest).
     root: torchvision's download/cache folder (default: default_cache_dir()).
     train_size / test_size: keep a class-balanced deterministic prefix (fast CPU runs).
     What you ask for is what you get: a dataset that is not available raises
@@ -279,26 +277,26 @@ def load_dataset(
     for arg, n in (("train_size", train_size), ("test_size", test_size)):
         if n is not None and n < 1:
             raise ValueError(f"{arg} must be a positive number of images or None (all), got {n}")
-    allow = downloads_allowed() if allow_download is None else allow_download
-    root = Path(root) if root is not None else default_cache_dir()
-    offline = "allowed, but it failed" if allow else "off (CI, COURSE_OFFLINE=1 or pytest)"
+    off = downloads_off() if allow_download is None else "" if allow_download else "allow_download=False was passed"
+    allow, root, notes = not off, Path(root) if root is not None else default_cache_dir(), []
 
     def say(msg: str) -> None:
+        notes.append(msg)
         if verbose:
             print(f"data: note: {msg}")
 
+    def why() -> str:  # why torchvision gave nothing, saying only the reason that applies here
+        had = f"the copy in {root} did not load ({notes[-1]})" if notes else f"it is not in {root}"
+        return f"{had}, and downloads are off ({off})" if off else f"downloading it failed ({notes[-1]})"
+
     if key == "synthetic":
         train, test = _synthetic(train_size, test_size)
+        what = (
+            f"synthetic random images, 3x32x32 ({len(train):,} train / {len(test):,} test), labels random: "
+            "for throughput, not accuracy"
+        )
         bundle = DatasetBundle(
-            "synthetic",
-            "synthetic",
-            train,
-            test,
-            [f"class {i}" for i in range(10)],
-            (0.0,) * 3,
-            (1.0,) * 3,
-            f"synthetic random images, 3x32x32 ({len(train):,} train / "
-            f"{len(test):,} test), labels random: for throughput, not accuracy",
+            "synthetic", "synthetic", train, test, [f"class {i}" for i in range(10)], (0.0,) * 3, (1.0,) * 3, what
         )
         if verbose:
             print(textwrap.fill(f"data: {bundle.description}", 100, subsequent_indent="      "))
@@ -312,10 +310,10 @@ def load_dataset(
             raw = _torchvision_arrays("cifar10", root, download=allow, say=say)
             source, origin = "torchvision-download", torchvision_origin
         if raw is None:
+            fix = "Online, load_dataset('cifar10', allow_download=True) fetches it (170 MB)" if off else "Fix that"
             raise DatasetUnavailable(
-                f"CIFAR-10 is not shipped with the course (its licence is unknown) and is not in "
-                f"{root}; downloads are {offline}. Online, load_dataset('cifar10', allow_download=True) "
-                f"fetches it (170 MB); offline, use load_dataset('fashion_mnist') or 'synthetic'."
+                f"CIFAR-10 is not shipped with the course (its licence is unknown); {why()}. {fix}; "
+                "offline, use load_dataset('fashion_mnist') or 'synthetic'."
             )
     elif full:
         if (files := _debian_files(DEBIAN_DIR)) is not None:
@@ -325,10 +323,9 @@ def load_dataset(
             source, origin = "torchvision-download", torchvision_origin
         if raw is None:
             raise DatasetUnavailable(
-                f"the full Fashion-MNIST (60k/10k) is not here: {DEBIAN_DIR} is not installed and "
-                f"downloads are {offline}. Install it with `sudo apt-get install dataset-fashion-mnist`, "
-                f"go online with load_dataset(full=True, allow_download=True), or use the shipped "
-                f"subset: load_dataset() without full=True."
+                f"the full Fashion-MNIST (60k/10k) is not here: {DEBIAN_DIR} is not installed; {why()}. Install it "
+                "with `sudo apt-get install dataset-fashion-mnist`, go online with load_dataset(full=True, "
+                "allow_download=True), or use the shipped subset: load_dataset() without full=True."
             )
     else:
         path = _shipped_path()

@@ -10,8 +10,11 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import struct
+from pathlib import Path
 
+import nbformat
 import pytest
 import torch
 import torch.nn as nn
@@ -45,6 +48,61 @@ def notebook_function(source: str, name: str, **names) -> object:
 
 def test_chapter_03_registers_its_two_tasks():
     assert [c.name for c in checks_for("03")] == ["03.update_scale", "03.clipped_step"]
+
+
+
+# --------------------------------------------------------------------------- hints
+# check() prints a task's hint under the message after every failed attempt: it must point at the
+# idea, never hand over the answer. The task's text states the update rule; the learner writes it.
+
+def solution_lines(task: str) -> list[str]:
+    """The code lines of a task's answer in solutions/03 (between the markers), comments dropped."""
+    nb = nbformat.read(Path(__file__).parents[1] / "solutions" / "03_grad_scaler_exercises.ipynb", as_version=4)
+    source = next(c.source for c in nb.cells if c.cell_type == "code" and f'check("{task}"' in c.source)
+    answer = source.split("### BEGIN SOLUTION")[1].split("### END SOLUTION")[0]
+    lines = [line.split("#")[0].strip() for line in answer.splitlines()]
+    return [line for line in lines if line]
+
+
+@pytest.mark.parametrize("task", ["03.update_scale", "03.clipped_step"])
+def test_the_hint_gives_the_idea_not_the_answer(task):
+    hint = next(c.hint for c in checks_for("03") if c.name == task)
+    assert 100 < len(hint) < 600, hint
+    code = solution_lines(task)
+    assert len(code) >= 5
+    for line in code:  # no statement of the answer, nor any call or expression taken from it
+        assert line not in hint, line
+        for piece in re.findall(r"[\w.]+\([^()]*\)|\w+ [*+] \w+", line):
+            assert piece not in hint, piece
+    # no arithmetic, comparison, assignment or call at all: the hint is prose
+    assert not re.search(r"[*+=<>]|\w\(", hint), hint
+
+
+def test_the_update_rule_hint_does_not_state_the_arithmetic():
+    hint = next(c.hint for c in checks_for("03") if c.name == "03.update_scale")
+    # what the hint said before issue 33: the whole rule, formula by formula
+    for given_away in ("scale * backoff_factor", "scale * growth_factor", "tracker + 1", "== growth_interval",
+                       "not >=", "tracker = 0", "tracker = t", "to_float32(", "unless that is inf"):
+        assert given_away not in hint, given_away
+    # still useful: the three cases, the interval, float32 rounding, and where the chapter explains it
+    for pointer in ("three cases", "overflow", "growth_interval", "float32", "section 3"):
+        assert pointer in hint, pointer
+
+
+def test_the_clipping_hint_names_the_idea_not_the_calls():
+    hint = next(c.hint for c in checks_for("03") if c.name == "03.clipped_step")
+    for call in ("unscale_(", "clip_grad_norm_(", "scaler.step(", "scaler.update(", ".backward("):
+        assert call not in hint, call
+    for pointer in ("multiplied by the scale", "before you clip", "skipped", "section 6"):
+        assert pointer in hint, pointer
+
+
+def test_a_failed_attempt_prints_the_message_then_the_hint(capsys):
+    from course_lib.tooling.grading import check
+    check("03.update_scale", rule(**{"if t == growth_interval:": "if t >= growth_interval:"}))
+    out = capsys.readouterr().out
+    assert out.startswith("❌ 03.update_scale") and "with ==" in out  # the message diagnoses the mistake
+    assert "hint: Sort the step the message names" in out
 
 
 # --------------------------------------------------------------------------- task 1: the update rule

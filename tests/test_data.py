@@ -139,18 +139,65 @@ def test_bad_sizes_raise_valueerror():
 
 # ----------------------------------------------------------------------------- fallbacks
 
-def test_downloads_allowed_off_in_ci_offline_mode_and_pytest(monkeypatch):
+def test_downloads_off_in_ci_offline_mode_and_pytest_says_which(monkeypatch):
     # one condition at a time (the repo's conftest.py also sets COURSE_OFFLINE=1)
     monkeypatch.delenv("CI", raising=False)
     monkeypatch.delenv("COURSE_OFFLINE", raising=False)
-    assert data.downloads_allowed() is False  # PYTEST_CURRENT_TEST is set right now
+    assert data.downloads_off() == "this is a pytest run"  # PYTEST_CURRENT_TEST is set right now
     monkeypatch.delenv("PYTEST_CURRENT_TEST")
-    assert data.downloads_allowed() is True
+    assert data.downloads_off() == ""
     monkeypatch.setenv("CI", "true")
-    assert data.downloads_allowed() is False
+    assert data.downloads_off() == "CI=true is set"
     monkeypatch.delenv("CI")
     monkeypatch.setenv("COURSE_OFFLINE", "1")
-    assert data.downloads_allowed() is False
+    assert data.downloads_off() == "COURSE_OFFLINE=1 is set"
+    monkeypatch.setenv("COURSE_OFFLINE", "0")
+    assert data.downloads_off() == ""
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "x")
+    monkeypatch.setenv("COURSE_OFFLINE", "yes")
+    assert data.downloads_off() == "COURSE_OFFLINE=yes is set; this is a pytest run"  # each reason that holds
+
+
+# Issue 33: the CIFAR-10 message listed "CI, COURSE_OFFLINE=1 or pytest" whatever switched downloads
+# off (chapter 00 passes allow_download=False: none of the three). It names only what applies.
+OFF_CASES = {  # environment, allow_download -> the one reason the message gives
+    "allow_download=False": ({"COURSE_OFFLINE": "1"}, False, "allow_download=False was passed"),
+    "COURSE_OFFLINE": ({"COURSE_OFFLINE": "1"}, None, "COURSE_OFFLINE=1 is set"),
+    "CI": ({"CI": "true"}, None, "CI=true is set"),
+    "pytest": ({"PYTEST_CURRENT_TEST": "x"}, None, "this is a pytest run"),
+}
+REASONS = {"allow_download=False": "allow_download=False", "COURSE_OFFLINE": "COURSE_OFFLINE", "CI": "CI=",
+           "pytest": "pytest", "failed": "failed"}
+
+
+@pytest.mark.parametrize("case", OFF_CASES)
+@pytest.mark.parametrize("kwargs", [{"name": "cifar10"}, {"full": True}], ids=["cifar10", "full"])
+def test_the_unavailable_message_names_only_the_reason_that_applies(case, kwargs, tmp_path, monkeypatch,
+                                                                     no_full_set, no_downloads):
+    env, allow, reason = OFF_CASES[case]
+    for var in ("CI", "COURSE_OFFLINE", "PYTEST_CURRENT_TEST"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(data.DatasetUnavailable) as e:
+        data.load_dataset(root=tmp_path, allow_download=allow, train_size=10, test_size=10, **kwargs)
+    msg = str(e.value)
+    assert f"it is not in {tmp_path}, and downloads are off ({reason})." in msg, msg
+    assert [k for k, w in REASONS.items() if w in msg.replace(str(tmp_path), "<root>")] == [case], msg
+    if kwargs.get("name") == "cifar10":
+        assert "Online, load_dataset('cifar10', allow_download=True) fetches it (170 MB)" in msg
+
+
+def test_chapter_00s_cifar_message_says_allow_download_false(tmp_path, no_downloads):
+    # the cell in chapter 00, as a learner runs it (COURSE_OFFLINE is not set in JupyterLab)
+    with pytest.raises(data.DatasetUnavailable) as e:
+        data.load_dataset("cifar10", allow_download=False, root=tmp_path)
+    assert str(e.value) == (
+        "CIFAR-10 is not shipped with the course (its licence is unknown); it is not in "
+        f"{tmp_path}, and downloads are off (allow_download=False was passed). Online, "
+        "load_dataset('cifar10', allow_download=True) fetches it (170 MB); offline, use "
+        "load_dataset('fashion_mnist') or 'synthetic'."
+    )
 
 
 def test_no_download_attempted_under_pytest(tmp_path, monkeypatch, no_full_set, no_downloads):
@@ -200,11 +247,31 @@ def test_failed_download_is_an_error_and_restores_socket_timeout(tmp_path, monke
     fake.datasets = types.SimpleNamespace(CIFAR10=_FakeCIFAR10, FashionMNIST=_FakeCIFAR10)
     monkeypatch.setitem(sys.modules, "torchvision", fake)
     previous = socket.getdefaulttimeout()
-    with pytest.raises(data.DatasetUnavailable, match="allowed, but it failed"):
+    with pytest.raises(data.DatasetUnavailable) as e:
         data.load_dataset("cifar10", allow_download=True, root=tmp_path, train_size=10, test_size=10)
     assert _FakeCIFAR10.seen_timeouts[-1] == data.DOWNLOAD_TIMEOUT_S
     assert socket.getdefaulttimeout() == previous
     assert "torchvision _FakeCIFAR10 failed (URLError" in capsys.readouterr().out
+    # no network: the message says the download failed and why, and names no switch that was not set
+    msg = str(e.value)
+    assert "downloading it failed (torchvision _FakeCIFAR10 failed (URLError: <urlopen error [Errno -2] Name or " \
+           "service not known>)). Fix that; offline, use load_dataset('fashion_mnist')" in msg, msg
+    msg = msg.replace(str(tmp_path), "<root>")
+    assert not any(w in msg for w in ("downloads are off", "COURSE_OFFLINE", "CI=", "pytest")), msg
+
+
+def test_a_cached_copy_that_does_not_load_is_named_as_such(tmp_path, monkeypatch, capsys):
+    fake = types.ModuleType("torchvision")
+    fake.datasets = types.SimpleNamespace(CIFAR10=_FakeCIFAR10, FashionMNIST=_FakeCIFAR10)
+    monkeypatch.setitem(sys.modules, "torchvision", fake)
+    (tmp_path / "cifar-10-batches-py").mkdir()
+    (tmp_path / "cifar-10-batches-py" / "data_batch_1").write_bytes(b"truncated")
+    with pytest.raises(data.DatasetUnavailable) as e:
+        data.load_dataset("cifar10", allow_download=False, root=tmp_path, verbose=False)
+    msg = str(e.value)
+    assert f"the copy in {tmp_path} did not load (torchvision _FakeCIFAR10 failed (URLError" in msg, msg
+    assert "and downloads are off (allow_download=False was passed)" in msg and "is not in" not in msg
+    assert capsys.readouterr().out == ""  # verbose=False: the reason is in the message, nothing printed
 
 
 class _BrokenTorchvision(importlib.abc.MetaPathFinder):

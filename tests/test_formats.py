@@ -247,6 +247,20 @@ def test_e4m3fn_overflow_starts_after_the_tie_at_464():
     assert FL.fate(464.0001, "e4m3") == "overflow"
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2"])
+def test_fate_of_inf_is_what_torch_stores_for_it(fmt):
+    # e4m3fn has no inf: fate() said "inf" for it, as the bit explorer's row said "inf (overflow)"
+    # beside the 448.0 this torch stores. Out of its range, inf is an overflow like 1e6.
+    f = F.get_format(fmt)
+    for x in (math.inf, -math.inf):
+        stored = torch.tensor([x]).to(f.dtype).double().item()
+        if f.has_inf:
+            assert stored == x and FL.fate(x, fmt) == "inf"
+        else:  # saturates to 448 with x's sign, or NaN on older torch
+            assert stored == math.copysign(448.0, x) or math.isnan(stored)
+            assert FL.fate(x, fmt) == "overflow" == FL.fate(1e6, fmt)
+
+
 def test_e4m3fn_beyond_its_range_saturates_or_gives_nan_and_chapter_01_accepts_either():
     # torch 2.14 saturates to +-448; torch 2.11 (the GPU run of 2026-11-26) gave NaN. Chapter 01's
     # compared table must pass on both (tests/nbval_sanitize.cfg) and its section 7 says which.

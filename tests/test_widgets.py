@@ -89,6 +89,23 @@ def test_the_explorer_shows_what_fate_says_and_torch_stores(value):
     assert ("inf" in fp16) == (fate(value, "fp16") == "overflow")
 
 
+@pytest.mark.parametrize("x", [math.inf, -math.inf])
+def test_e4m3fn_row_for_inf_says_what_this_torch_stores(x):
+    # e4m3fn has no inf: its row read "448.0 / inf (overflow)", an inf that is not there.
+    import torch
+    stored = torch.tensor([x]).to(torch.float8_e4m3fn).float().item()  # 448 with x's sign, or NaN (older torch)
+    row = next(line for line in W.static_text(x).splitlines() if line.startswith("fp8_e4m3fn"))
+    table = W.static_html(x)
+    assert "inf (overflow)" not in table and not row.endswith("overflow")
+    if math.isnan(stored):
+        assert row.split()[-2:] == ["nan", "nan"]
+    else:
+        assert row.split()[-2:] == [repr(stored), "saturated"]
+        assert f"saturated: {x!r} stored as {stored!r} (fp8_e4m3fn has no inf)" in table
+    fp16 = next(line for line in W.static_text(x).splitlines() if line.startswith("fp16"))
+    assert fp16.split()[-2:] == [repr(x), "exact"]  # a format with inf keeps it
+
+
 @pytest.mark.parametrize("value", [0.1, 65520.0, 1e-8, -5.960464477539063e-08, 1e-40, -3e-42, math.nan, -math.inf])
 def test_static_text_lines_fit_100_characters_and_header_matches_the_columns(value):
     lines = W.static_text(value).splitlines()

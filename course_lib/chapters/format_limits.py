@@ -123,14 +123,18 @@ def fate(x: float, fmt: str | torch.dtype | Format) -> str:
     "underflow"  a non-zero number becomes 0: |x| <= smallest_subnormal / 2 (the tie goes to 0, even)
     "subnormal"  survives, but with fewer significant bits than a normal number
     "normal"     full precision; and "zero", "inf", "nan" for those inputs. Tested against torch's conversion.
+    e4m3fn has no inf, so inf is out of its range like any number past 464: "overflow", not "inf"
+    (torch stores ±448 or NaN, by version; the bit explorer and section 7 of chapter 01 show which).
     torch converts a float64 (a Python float) to the 16- and 8-bit formats through float32, so x is
     judged as the float32 it rounds to, as decompose() and an fp32 tensor holding x see it: 65519.99999
     is below fp16's midpoint 65520, but its float32 is 65520.0, a tie, and torch stores inf.
     """
     f = get_format(fmt)
     a = abs(float(x))
-    if math.isnan(a) or math.isinf(a) or a == 0:
-        return "nan" if math.isnan(a) else "inf" if a else "zero"
+    if math.isnan(a) or a == 0:
+        return "nan" if math.isnan(a) else "zero"
+    if math.isinf(a):  # stays inf where the format has one; e4m3fn has none
+        return "inf" if f.has_inf else "overflow"
     a = float(torch.tensor(a, dtype=torch.float32))  # torch's first rounding; inf or 0 outside fp32's range
     t_over = overflow_threshold(f)
     max_is_odd = f.has_inf  # max has mantissa all ones (odd) when inf exists; e4m3fn's 1.110b is even

@@ -132,6 +132,8 @@ def _err(d: Decomposed, short: bool = False) -> str:
         return "nan"
     if d.error == 0:
         return "exact"
+    if math.isinf(d.input) and math.isfinite(d.value):  # a format without inf (e4m3fn): what torch stored
+        return "saturated" if short else f"saturated: {d.input!r} stored as {d.value!r} ({d.format} has no inf)"
     if math.isinf(d.error):
         return "overflow" if short else "inf (overflow)"
     return f"{d.error:+.2e}" if short else f"{d.error:+.3e} ({d.rel_error:.1e} rel)"

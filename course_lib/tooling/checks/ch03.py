@@ -26,11 +26,13 @@ def _factor(rng: random.Random, low: float, high: float) -> float:
 @register
 class UpdateScale(Check):
     name, args, points = "03.update_scale", ("update_scale",), 3
+    # Shown after every failed attempt, under the message that names the failing step: the idea to
+    # look for, never the rule itself (the task states the rule; the learner writes it).
     hint = (
-        "On an overflow: scale = to_float32(scale * backoff_factor), tracker = 0. Otherwise t = tracker + 1; "
-        "if t == growth_interval (equality, not >=): tracker = 0 and the scale becomes "
-        "to_float32(scale * growth_factor) unless that is inf; else tracker = t. Multiply the Python floats "
-        "(double precision) and round once to float32."
+        "Sort the step the message names into one of the task's three cases: an overflow, the clean step "
+        "that completes growth_interval clean steps in a row, or any other clean step. Then ask what that "
+        "case does to the scale and to the count of clean steps, and when the scale is rounded to float32. "
+        "Chapter 03, section 3, explains each case and the three details that decide a bit-for-bit match."
     )
     forbidden = ("torch.amp", "torch.cuda.amp", "course_lib")
     forbidden_why = "implement the rule instead of running GradScaler (or course_lib's DynamicLossScaler)"
@@ -213,10 +215,10 @@ def _close(a: list, b: list, rtol: float = 1e-4, atol: float = 1e-6) -> bool:
 class ClippedStep(Check):
     name, args, points = "03.clipped_step", ("clipped_step",), 3
     hint = (
-        "After scaler.scale(loss).backward(), the gradients are multiplied by the scale: call "
-        "scaler.unscale_(optimizer) before torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm), "
-        "then scaler.step(optimizer) (it skips the step on inf/NaN) and scaler.update(); return the norm "
-        "clip_grad_norm_ returns."
+        "After backward on a scaled loss every gradient is multiplied by the scale, so clipping them "
+        "measures and clips the wrong numbers. The scaler can turn them back into true gradients in place, "
+        "before you clip (chapter 03, section 6); let the scaler, not the optimizer, take the step, so that "
+        "a step with inf or NaN gradients is skipped, and let it adjust the scale once per step."
     )
     forbidden, forbidden_why = ("course_lib",), "write the four calls yourself instead of calling the course's Trainer"
     time_limit = 60.0
