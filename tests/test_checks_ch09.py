@@ -14,7 +14,7 @@ import random
 import pytest
 
 from course_lib.chapters import speedup
-from course_lib.tooling.checks import ch09
+from course_lib.tooling.checks import ch07, ch09
 from course_lib.tooling.grading import CheckFailure, checks_for, run_check
 
 
@@ -59,7 +59,7 @@ def cost_model(monkeypatch):
     """Replace the fresh-process measurement by the cost model; record what was measured."""
     measured = []
 
-    def fake(slow: dict, fast: dict) -> dict:
+    def fake(slow: dict, fast: dict, report=None) -> dict:
         measured.append((slow, fast))
         return {"slow": scripted_run(slow), "fast": scripted_run(fast)}
     monkeypatch.setattr(ch09, "measure_in_fresh_process", fake)
@@ -76,7 +76,7 @@ def test_the_solution_passes_on_fresh_recipes(cost_model):
 
 def test_the_slow_script_unchanged_fails_on_its_speed(cost_model):
     msg = fails("09.speed_up", lambda slow: dict(slow))
-    assert "1.0x faster, at least 5x passes" in msg
+    assert "1.00x faster, at least 5x faster passes" in msg
 
 
 @pytest.mark.parametrize("mistake, settings", [
@@ -88,7 +88,7 @@ def test_the_slow_script_unchanged_fails_on_its_speed(cost_model):
 ])
 def test_plausible_partial_fixes_fail_on_their_speed(cost_model, mistake, settings):
     msg = fails("09.speed_up", lambda slow: {**slow, **settings})
-    assert "at least 5x passes" in msg, mistake
+    assert "at least 5x faster passes" in msg, mistake
 
 
 def test_a_hard_coded_dict_fails_because_the_recipe_is_drawn_fresh(cost_model):
@@ -113,7 +113,7 @@ def test_training_on_fewer_samples_fails_however_fast(cost_model):
 
 
 def test_a_faster_script_that_lost_accuracy_fails(monkeypatch):
-    def lossy(slow, fast):
+    def lossy(slow, fast, report=None):
         return {"slow": {**scripted_run(slow), "accuracy": 0.80}, "fast": {**scripted_run(fast), "accuracy": 0.75}}
     monkeypatch.setattr(ch09, "measure_in_fresh_process", lossy)
     msg = fails("09.speed_up", speed_up)
@@ -123,9 +123,33 @@ def test_a_faster_script_that_lost_accuracy_fails(monkeypatch):
 def test_the_verdict_rules_on_hand_made_measurements():
     ch09.verdict({"slow": {"seconds": 5.0, "accuracy": 0.80, "samples": 4000, "steps": 126},
                   "fast": {"seconds": 0.8, "accuracy": 0.785, "samples": 4000, "steps": 126}})
-    with pytest.raises(CheckFailure, match="4.0x faster, at least 5x passes"):
+    with pytest.raises(CheckFailure, match="4.00x faster, at least 5x faster passes"):
         ch09.verdict({"slow": {"seconds": 4.0, "accuracy": 0.8, "samples": 4000, "steps": 126},
                       "fast": {"seconds": 1.0, "accuracy": 0.8, "samples": 4000, "steps": 126}})
+
+
+def test_a_ratio_below_one_is_said_as_slower_never_as_faster():
+    assert speedup.format_speedup(5.234) == "5.23x faster" and speedup.format_speedup(1.0) == "1.00x faster"
+    assert speedup.format_speedup(0.8) == "1.25x slower"
+    with pytest.raises(CheckFailure, match="1.25x slower, at least 5x faster passes"):
+        ch09.verdict({"slow": {"seconds": 4.0, "accuracy": 0.8, "samples": 4000, "steps": 126},
+                      "fast": {"seconds": 5.0, "accuracy": 0.8, "samples": 4000, "steps": 126}})
+
+
+def test_inline_each_round_is_printed_as_it_ends_and_the_grader_prints_nothing(cost_model, monkeypatch, capsys):
+    def fake(slow, fast, report):
+        for i in (1, 2, 3):
+            report({"round": i, "slow": 4.0 + i, "fast": 0.5 + i / 10})
+        return {"slow": scripted_run(slow), "fast": scripted_run(fast)}
+    monkeypatch.setattr(ch09, "measure_in_fresh_process", fake)
+    monkeypatch.setattr(ch07, "inline", lambda: True)
+    assert verdict("09.speed_up", speed_up)[0] == "passed"
+    out = capsys.readouterr().out
+    assert "09.speed_up: the slow script and yours, 3 rounds on this machine" in out
+    assert "   round 3: the slow script 7.00 s, yours 0.80 s" in out and "x faster; accuracy" in out
+    assert all(len(line) <= 100 for line in out.splitlines())
+    monkeypatch.setattr(ch07, "inline", lambda: False)
+    assert verdict("09.speed_up", speed_up)[0] == "passed" and capsys.readouterr().out == ""
 
 
 @pytest.mark.parametrize("answer, expected", [
@@ -150,8 +174,10 @@ def test_an_untouched_stub_is_not_attempted():
 
 def test_the_real_measurement_runs_both_scripts_in_a_fresh_process():
     """One real run: the solution's settings, measured as the grader measures them, pass."""
-    slow = ch09.SpeedUp().cases(random.Random(1))[0]
-    m = ch09.measure_in_fresh_process(slow, ch09.validate(speed_up(dict(slow)), slow))
+    slow, rounds = ch09.SpeedUp().cases(random.Random(1))[0], []
+    m = ch09.measure_in_fresh_process(slow, ch09.validate(speed_up(dict(slow)), slow), rounds.append)
+    assert [r["round"] for r in rounds] == [1, 2, 3]  # each round reported as it ended, the best of them kept
+    assert all(m[k]["seconds"] == min(r[k] for r in rounds) for k in ("slow", "fast"))
     assert m["fast"]["samples"] == m["slow"]["samples"] == slow["train_size"] * slow["epochs"]
     assert m["fast"]["accuracy"] == m["slow"]["accuracy"]  # same batches in the same order: the same model
     ch09.verdict(m)

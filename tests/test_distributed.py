@@ -9,11 +9,14 @@ formatting. tools/stress_ddp.py runs the notebook's launch 100 times with a core
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,10 +41,58 @@ from course_lib.models import MLP
 # --------------------------------------------------------------------------- real runs
 
 
+def new_in_temp(folder: Path) -> list[str]:
+    """What appeared in a (redirected) system temporary folder. torch's own compile cache,
+    torchinductor_<user>, is not a run's leftover: DDP's constructor makes it once per user (empty), and
+    every later run shares it."""
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith("torchinductor_"))
+
+
+@contextlib.contextmanager
+def as_the_chapter_launches(root: Path):
+    """launch() without `out`, as chapter 08 calls it: runs/08_distributed/ under `root` instead of the
+    course's, and the system's temporary folder (tempfile and $TMPDIR, for torchrun and the ranks) an
+    empty folder of its own. Yields that folder."""
+    temp = root / "system-temp"
+    temp.mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(L, "RUNS", root / "runs" / "08_distributed")
+        mp.setattr(tempfile, "tempdir", str(temp))
+        mp.setenv("TMPDIR", str(temp))
+        yield temp
+
+
 @pytest.fixture(scope="module")
 def good_run(tmp_path_factory) -> DDPRun:
-    out = tmp_path_factory.mktemp("ddp")
-    return launch(["--backend", "gloo", "--fsdp"], out=out, timeout=240)
+    root, printed = tmp_path_factory.mktemp("course"), io.StringIO()
+    with as_the_chapter_launches(root) as temp, contextlib.redirect_stdout(printed):
+        run = launch(["--backend", "gloo", "--fsdp"], name="ddp", progress=True, timeout=240)
+    run.test_notes = {"root": root, "left_in_temp": new_in_temp(temp), "printed": printed.getvalue()}
+    return run
+
+
+def test_a_launch_writes_under_runs_and_leaves_nothing_in_the_system_temp_folder(good_run):
+    """Chapter 08 used to leave two folders in the system's temp folder per Run All; now its runs go to
+    runs/08_distributed/<name>/ in the course (git-ignored), replaced by the next launch of that name."""
+    notes = good_run.test_notes
+    assert good_run.out == notes["root"] / "runs" / "08_distributed" / "ddp"
+    assert (good_run.out / "summary.json").exists() and notes["left_in_temp"] == []
+
+
+def test_progress_shows_where_a_launch_is_while_it_runs(good_run):
+    lines = good_run.test_notes["printed"].splitlines()
+    assert lines[0] == "torchrun: 2 processes, outputs in runs/08_distributed/ddp/ (each rank imports torch first)"
+    assert lines[-1].endswith(" s  every rank finished") and all(len(line) <= 100 for line in lines)
+    assert any("[rank 0]" in line for line in lines[1:-1])  # rank 0's newest line, while the run went on
+
+
+def test_a_run_folder_is_emptied_and_only_a_plain_name_is_taken(tmp_path, monkeypatch):
+    monkeypatch.setattr(L, "RUNS", tmp_path / "runs" / "08_distributed")
+    (L.run_folder("ddp") / "failed_rank1.json").write_text("{}")  # an earlier run's file would mislead this one
+    assert list(L.run_folder("ddp").iterdir()) == []
+    for bad in ("", ".", "..", "../x", "a/b"):
+        with pytest.raises(ValueError, match="one folder name"):
+            L.run_folder(bad)
 
 
 def test_a_two_process_run_leaves_identical_parameters_and_nothing_running(good_run):
@@ -99,8 +150,9 @@ def test_fsdp2_shards_every_parameter_and_matches_ddp(good_run):
 
 def test_a_rank_that_raises_is_named_and_nothing_is_left(tmp_path):
     t0 = time.monotonic()
-    with pytest.raises(DDPRunError) as info:
-        launch(["--backend", "gloo", "--fail-rank", "1", "--fail-at", "3"], out=tmp_path, timeout=240)
+    with as_the_chapter_launches(tmp_path) as temp, pytest.raises(DDPRunError) as info:
+        launch(["--backend", "gloo", "--fail-rank", "1", "--fail-at", "3"], name="failing", timeout=240)
+    assert new_in_temp(temp) == [] and info.value.run.out == tmp_path / "runs" / "08_distributed" / "failing"
     assert not isinstance(info.value, DDPTimeout) and time.monotonic() - t0 < 240
     message = str(info.value)
     assert message.startswith("rank 1 failed first: RuntimeError: injected failure on rank 1"), message

@@ -227,3 +227,21 @@ def test_chapter_07_sets_one_cores_supply_from_the_median_step():
     run = LoaderRun("one core", 32, wait_ms=[10.0] * 8, step_ms=[10.0] * 7 + [300.0], first_batch_ms=50.0)
     assert 1000 * 32 / run.step.median_ms == pytest.approx(3200)  # what the chapter now reads
     assert run.images_per_s < 800  # what it used to read: a quarter, from one slow step
+
+
+def test_loader_warnings_are_caught_and_said_without_paths():
+    """Exercise 07's try-it cell printed DataLoader's UserWarning with a site-packages path; caught, each
+    warning is one line, once, that says what it means."""
+    data = TensorDataset(torch.randn(32, 3))
+    with W.caught_loader_warnings() as said:
+        for _ in range(2):
+            W.measure_loader(DataLoader(data, batch_size=8, num_workers=W.cpus() + 2, pin_memory=True),
+                             W.simulated_step(0), steps=2)
+    assert len(said) == len(set(said)) and all(len(line) <= 97 and "site-packages" not in line for line in said)
+    assert f"num_workers={W.cpus() + 2}: more workers than the {W.cpus()} cores here" in said[0]
+    if not torch.cuda.is_available():
+        assert said[1].startswith("pin_memory=True: there is no GPU here, so DataLoader pins nothing")
+    with W.caught_loader_warnings() as said:
+        import warnings
+        warnings.warn("something else\nsecond line", DeprecationWarning)
+    assert said == ["DataLoader warned (DeprecationWarning): something else"]

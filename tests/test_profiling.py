@@ -5,6 +5,7 @@ import gzip
 import json
 import os
 import time
+from pathlib import Path
 
 import matplotlib
 import pytest
@@ -322,3 +323,65 @@ def test_the_three_timings_are_read_against_each_other():
 def test_a_first_call_within_the_spread_is_not_read_as_a_cost():
     noisy = M.read_timing_ways(_ways([76.0, 70.0, 117.0], [100.0, 68.0, 156.0, 99.0], [99.0, 34.0, 125.0, 101.0]))
     assert "cannot tell it from the spread" in " ".join(noisy.split()) and "alone, -" not in noisy
+
+
+# --------------------------------------------------------------------------- what the chapter leaves on disk
+
+def new_in_temp(folder) -> list[str]:
+    """What appeared in a (redirected) system temporary folder. torch's own compile cache,
+    torchinductor_<user>, is not a run's leftover: torch makes it once per user and every run shares it."""
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith("torchinductor_"))
+
+
+@pytest.fixture
+def system_temp(tmp_path, monkeypatch):
+    """tempfile.gettempdir() and $TMPDIR (for child processes) redirected to an empty folder."""
+    folder = tmp_path / "system-temp"
+    folder.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(folder))
+    monkeypatch.setenv("TMPDIR", str(folder))
+    return folder
+
+
+@pytest.mark.filterwarnings("ignore:Warning. Profiler clears events")
+def test_chapter_06_writes_one_trace_per_experiment_under_runs_and_nothing_in_the_temp_folder(tmp_path, system_temp):
+    """As the chapter calls them: trace_folder(fresh=True) empties runs/06_profiling/ of an earlier run's
+    files, every experiment writes under its own name (none overwrites another), the trace recorded with
+    profile_memory=True holds the memory events its timeline draws, and nothing goes to the temp folder."""
+    folder = P.trace_folder(root=tmp_path, fresh=True)
+    (folder / "fp32_5.pt.trace.json").write_text("{}")  # an earlier run's trace, under an old name
+    folder = P.trace_folder(root=tmp_path, fresh=True)
+    assert list(folder.iterdir()) == []
+    trainer, batch = tiny_trainer()
+    written = {}
+    for name, memory in (("fp32_memory", True), ("autocast_fp32", False), ("bottleneck_compute", False)):
+        run = P.profile_steps(lambda: trainer.train_step(batch), trace_dir=folder, name=name, record_shapes=True,
+                              profile_memory=memory)
+        written[name] = T.load_trace(run.traces[-1])
+    assert sorted(p.name for p in folder.iterdir()) == sorted(f"{n}_5.pt.trace.json" for n in written)
+    memory_events = {n: sum(e.get("name") == "[memory]" for e in t["traceEvents"]) for n, t in written.items()}
+    assert memory_events["fp32_memory"] > 0 and memory_events["autocast_fp32"] == 0
+    assert T._parse(written["fp32_memory"])["memory"]  # the timeline's memory panel has something to draw
+    assert new_in_temp(system_temp) == []
+
+
+def test_exercise_06s_profile_is_read_and_removed_with_its_temporary_folder(system_temp):
+    """The exercise's cell profiles the course model into a TemporaryDirectory and reads the trace there:
+    nothing of it stays in the system's temp folder (exercise 06 used to leave a 470 KB trace per run)."""
+    import nbformat
+
+    nb = nbformat.read(Path(__file__).resolve().parents[1] / "solutions" / "06_profiling_exercises.ipynb", 4)
+    cells = {c.get("id"): c.source for c in nb.cells}
+    namespace: dict = {}
+    exec(cells["c03-06_profiling_exe"].replace('check("06.diagnose_step", diagnose_step)', ""), namespace)
+    exec(cells["c05-06_profiling_exe"], namespace)
+    assert namespace["measured"]["steps"] == 3 and namespace["run"].traces
+    assert not Path(namespace["run"].traces[-1]).exists() and new_in_temp(system_temp) == []
+
+
+def test_the_timelines_are_titled_in_words():
+    assert set(T.DIAGNOSES) == {"data", "overhead", "compute"}
+    ref = {"bottlenecks": {"data": {"summary": {"device": "cpu", "steps": 3, "step_ms": 10.0, "ops": [
+        {"name": "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", "calls": 1, "cpu_ms": 6.0,
+         "device_ms": 0.0, "kernels": 0, "input_types": []}]}, "diagnosis": ["data", "more_workers"]}}}
+    assert "data: diagnosed waiting for data; fix: load and transform" in P.format_reference(ref, "bottlenecks")

@@ -1,7 +1,7 @@
 """course_lib.chapters.speedup: the exercise's slow script learns the same model however it is computed."""
 import pytest
 
-from course_lib.chapters.speedup import RECIPE, SLOW, format_result, run_script, validate_settings
+from course_lib.chapters.speedup import RECIPE, SLOW, format_result, format_speedup, run_script, validate_settings
 
 TINY = {"train_size": 96, "test_size": 40, "epochs": 2, "eval_every": 2, "detect_anomaly": False}
 
@@ -41,3 +41,9 @@ def test_settings_are_validated(settings, message):
 
 def test_the_recipe_is_part_of_the_settings():
     assert set(RECIPE) < set(SLOW) and validate_settings({}) == SLOW
+
+
+def test_a_ratio_below_one_reads_as_slower():
+    """Exercise 09 printed "0.99x faster" for a change that made the script slower."""
+    assert format_speedup(2.345) == "2.35x faster" and format_speedup(1.0) == "1.00x faster"
+    assert format_speedup(0.99) == "1.01x slower" and format_speedup(0.5) == "2.00x slower"

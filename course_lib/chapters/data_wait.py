@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ __all__ = [
     "plot_sweep",
     "cpus",
     "workers_needed",
+    "caught_loader_warnings",
 ]
 
 
@@ -129,6 +131,40 @@ def quiet_loader_warnings() -> Iterator[None]:
         warnings.filterwarnings("ignore", message="This DataLoader will create")
         warnings.filterwarnings("ignore", message=".*pin_memory.* no accelerator")
         yield
+
+
+@contextlib.contextmanager
+def caught_loader_warnings() -> Iterator[list[str]]:
+    """Chapter 07: DataLoader's warnings caught and said in a line each, without torch's file paths.
+
+        with caught_loader_warnings() as said:
+            run = measure_loader(DataLoader(dataset, **settings), step)
+        for line in said:
+            print(line)
+
+    The list fills as the block runs; each warning is said once.
+    """
+    said: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield said
+        finally:
+            for w in caught:
+                line = _loader_warning(str(w.message), w.category.__name__)
+                if line not in said:
+                    said.append(line)
+
+
+def _loader_warning(message: str, category: str) -> str:
+    if "pin_memory" in message and "no accelerator" in message:
+        return "pin_memory=True: there is no GPU here, so DataLoader pins nothing (it said so in a warning)"
+    m = re.search(r"create (\d+) worker processes in total.*?max number of worker in current system is (\d+)", message)
+    if m:
+        workers, cores = m.groups()
+        return f"num_workers={workers}: more workers than the {cores} cores here (DataLoader warns: slow, or frozen)"
+    first = message.strip().splitlines()[0] if message.strip() else category
+    return f"DataLoader warned ({category}): {first[:64]}"
 
 
 def sweep(

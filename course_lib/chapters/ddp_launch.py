@@ -1,6 +1,6 @@
 """Chapter 08: torchrun started from a notebook or a shell, and every process it started stopped again.
 
-    run = launch(["--epochs", "2"])         # 2 processes under torchrun: free port, timeout, logs
+    run = launch(["--epochs", "2"], name="two_epochs", progress=True)  # runs/08_distributed/two_epochs/
     run.show()                              # each rank's log
     torchrun_command(8, nnodes=2, rdzv_endpoint="node0:29400", rdzv_id="job")   # the command for each node
 
@@ -9,6 +9,8 @@ binds port 0, so the OS hands out a free port and two runs never collide. Each r
 stderr go to torchrun's --log-dir and come back in the DDPRun. After `timeout` s, an error or an
 interrupt, torchrun and every worker are stopped: no process and no port outlives the call. A
 DDPRunError names the rank that failed first (also one that crashed exiting, after its work).
+Without `out`, a run's files go to runs/08_distributed/<name>/ in the course (git-ignored, emptied
+at the start of each launch of that name), never to the system's temporary folder.
 Each rank runs course_lib.chapters.ddp_worker; course_lib.chapters.distributed checks what a run computed.
 """
 
@@ -18,11 +20,11 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from dataclasses import dataclass, field
@@ -36,6 +38,7 @@ __all__ = ["DDPRunError", "DDPTimeout", "DDPRun", "torchrun_command", "launch"]
 WORKER = "course_lib.chapters.ddp_worker"
 TOKEN_VAR = "AMP_COURSE_DDP_RUN"  # every process of one launch carries it: found and stopped by it
 WIDTH = 100  # printed lines
+RUNS = Path(__file__).resolve().parents[2] / "runs" / "08_distributed"  # git-ignored: /runs/ in .gitignore
 
 
 class DDPRunError(RuntimeError):
@@ -273,6 +276,35 @@ def _exit_line(run: DDPRun, rank: int, code: int, first: int) -> str:
     return f"rank {rank} finished its work but crashed while exiting: exit {how}" + f", last said {said!r}" * bool(said)
 
 
+def run_folder(name: str) -> Path:
+    """runs/08_distributed/<name>/ in the course, emptied: where a launch without `out` writes."""
+    if not re.fullmatch(r"[\w.-]+", name) or name.strip(".") == "":
+        raise ValueError(f"a run's name is one folder name (letters, digits, _ . -), not {name!r}")
+    folder = RUNS / name
+    if folder.is_dir():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    return folder
+
+
+def _wait(proc: subprocess.Popen, deadline: float, log_dir: Path, say) -> int | None:
+    """proc's exit code, or None at the deadline; meanwhile say() rank 0's newest log line, at most one
+    a second, so that a launch of several seconds shows where it is."""
+    shown, t0 = "", time.monotonic()
+    last = t0
+    while True:
+        try:
+            return proc.wait(timeout=max(0.0, min(0.25, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                return None
+        if time.monotonic() - last >= 1.0:
+            lines = _read_logs(log_dir).get(0, {}).get("stdout", "").splitlines()
+            if lines and lines[-1] != shown:
+                shown, last = lines[-1], time.monotonic()
+                say(f"{last - t0:5.1f} s  {shown}")
+
+
 def launch(
     args: Sequence[str] = (),
     nproc: int = 2,
@@ -281,19 +313,32 @@ def launch(
     module: str = WORKER,
     timeout: float = 180.0,
     out: str | Path | None = None,
+    name: str = "run",
+    progress: bool = False,
 ) -> DDPRun:
     """Chapter 08: run `script` (or `module`) in `nproc` processes under torchrun on this machine.
 
-    The program gets the output folder as its first argument, then `args`. Returns the DDPRun
-    when every rank exited cleanly; raises DDPRunError naming the rank that failed first, or
-    DDPTimeout after `timeout` seconds. Either way (and on Ctrl-C) no process of the run is left.
+    The program gets the output folder as its first argument, then `args`: `out`, or else
+    runs/08_distributed/<name>/ in the course, emptied first. Returns the DDPRun when every rank
+    exited cleanly; raises DDPRunError naming the rank that failed first, or DDPTimeout after
+    `timeout` seconds. Either way (and on Ctrl-C) no process of the run is left. progress=True
+    prints a line as the run starts, rank 0's newest line about once a second, and one at the end.
     """
-    out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="ddp-run-"))
+    out = Path(out) if out is not None else run_folder(name)
     out.mkdir(parents=True, exist_ok=True)
+
+    def say(text: str) -> None:
+        if progress:
+            line = "   " + text
+            print(line if len(line) <= WIDTH else line[: WIDTH - 1] + "…", flush=True)
+
     token = secrets.token_hex(8)
     target = [str(script)] if script is not None else ["-m", module]
     cmd = torchrun_command(nproc, log_dir=out / "logs") + target + [str(out), *map(str, args)]
     run = DDPRun(cmd, out)
+    where = out.relative_to(RUNS.parents[1]) if out.is_relative_to(RUNS.parents[1]) else out
+    if progress:
+        print(f"torchrun: {nproc} processes, outputs in {where}/ (each rank imports torch first)", flush=True)
     t0 = time.monotonic()
     with open(out / "torchrun.log", "wb") as log:
         proc = subprocess.Popen(
@@ -306,9 +351,9 @@ def launch(
             start_new_session=True,
         )
         try:
-            run.returncode = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _stop(proc, token)
+            run.returncode = _wait(proc, t0 + timeout, out / "logs", say)
+            if run.returncode is None:
+                _stop(proc, token)
         except BaseException:  # KeyboardInterrupt (Jupyter's stop button), a grader's time limit
             _stop(proc, token)
             raise
@@ -316,6 +361,16 @@ def launch(
             _reap(token)  # normally nothing is left; this makes sure of it
     run.seconds = time.monotonic() - t0
     run.logs, run.launcher_log = _read_logs(out / "logs"), (out / "torchrun.log").read_text(errors="replace")
+    say(
+        f"{run.seconds:5.1f} s  "
+        + (
+            "every rank finished"
+            if run.returncode == 0
+            else f"torchrun exited with code {run.returncode}"
+            if run.returncode is not None
+            else f"no result after {timeout:g} s: every process stopped"
+        )
+    )
     if run.returncode is None:
         last = {
             r: (run.logs.get(r, {}).get("stdout", "").strip().splitlines() or ["(nothing)"])[-1][:80]

@@ -260,7 +260,8 @@ def fsdp_gradient(
     if old_cpu:
         torch.cpu.Stream.record_event, torch.cpu.Stream.wait_event = lambda self: None, lambda self, event: None
     summed = torch.zeros(1, device=r.device)
-    dist.reduce_scatter_tensor(summed, torch.ones(r.world, device=r.device), op=dist.ReduceOp.AVG)  # 1: averaged
+    scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)  # the new name from torch 2.14
+    scatter(summed, torch.ones(r.world, device=r.device), op=dist.ReduceOp.AVG)  # 1: averaged
     mesh = init_device_mesh(r.device.type, (r.world,))
     result = {}
     for name, policy in (

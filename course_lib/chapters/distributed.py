@@ -153,7 +153,7 @@ def dp_vs_ddp(width: int = 4096, batch: int = 256, steps: int = 30) -> list[dict
             }
         )
         del model, net, opt
-    run = launch(["--time-steps", steps, "--batch", batch, "--width", width], nproc=gpus, timeout=600)
+    run = launch(["--time-steps", steps, "--batch", batch, "--width", width], nproc=gpus, timeout=600, name="timing")
     t = json.loads((run.out / "timing.json").read_text())
     rows.append(
         {
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     extra = [a for a in getattr(args, "worker_args", []) if a != "--"]
     if args.cmd == "run":
-        run = launch(extra, args.nproc, timeout=args.timeout)
+        run = launch(extra, args.nproc, timeout=args.timeout, name="cli", progress=True)
         run.show()
         print(f"finished in {run.seconds:.1f} s; {_check_run(run)}; outputs in {run.out}")
         return 0
@@ -229,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         print("record needs CUDA GPUs (nccl); on a CPU the notebook's own gloo run is the measurement")
         return 1
     keys = ("world_size", "backend", "precision", "scaler", "losses", "scales_by_rank", "steps", "seconds")
-    runs = [launch(extra, torch.cuda.device_count(), timeout=600) for extra in ([], ["--precision", "fp16"])]
+    runs = [
+        launch(extra, torch.cuda.device_count(), timeout=600, name=name, progress=True)
+        for name, extra in (("nccl", []), ("nccl_fp16", ["--precision", "fp16"]))
+    ]
     payload = {"nccl_runs": [{k: run.summary[k] for k in keys} for run in runs], "dp_vs_ddp": []}
     if torch.cuda.device_count() >= 2:
         payload["dp_vs_ddp"] = dp_vs_ddp(args.width, args.batch)

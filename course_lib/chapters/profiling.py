@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import html
 import os
+import shutil
 import sys
 import tempfile
 import textwrap
@@ -45,7 +46,7 @@ from .measured_steps import (
     read_timing_ways,
     sync_cost,
 )
-from .traces import FIXES, diagnose, format_summary, load_trace, trace_summary
+from .traces import DIAGNOSES, FIXES, diagnose, format_summary, load_trace, trace_summary
 
 __all__ = [
     "trace_folder",
@@ -85,10 +86,13 @@ def _quiet_profiler():
 COURSE_ROOT = Path(__file__).resolve().parents[2]
 
 
-def trace_folder(name: str = "06_profiling", root: str | os.PathLike | None = None) -> Path:
+def trace_folder(name: str = "06_profiling", root: str | os.PathLike | None = None, fresh: bool = False) -> Path:
     """Chapter 06: the folder for a chapter's profiler traces, runs/<name>/ in the course (made if
-    missing). /runs/ is git-ignored; JupyterLab's file browser shows it, whatever the kernel's cwd."""
+    missing; with fresh=True emptied first, so that it holds this run's files only). /runs/ is
+    git-ignored; JupyterLab's file browser shows it, whatever the kernel's cwd."""
     folder = Path(root or COURSE_ROOT) / "runs" / name
+    if fresh and folder.is_dir():
+        shutil.rmtree(folder)
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
@@ -251,7 +255,9 @@ def format_reference(ref: dict, part: str) -> str:
         out.append(format_summary({k: v["summary"] for k, v in ref[part].items()}))
         out += [
             textwrap.fill(
-                f"{k}: diagnosed {v['diagnosis'][0]}; fix: {FIXES[v['diagnosis'][1]]}", 100, subsequent_indent="    "
+                f"{k}: diagnosed {DIAGNOSES[v['diagnosis'][0]]}; fix: {FIXES[v['diagnosis'][1]]}",
+                100,
+                subsequent_indent="    ",
             )
             for k, v in ref[part].items()
             if "diagnosis" in v

@@ -29,7 +29,7 @@ from ..loaders import SeededSampler, make_loader
 from ..models import MLP
 from ..train import AMP_DTYPES, amp_step
 
-__all__ = ["SLOW", "RECIPE", "CHOICES", "validate_settings", "run_script", "format_result"]
+__all__ = ["SLOW", "RECIPE", "CHOICES", "validate_settings", "run_script", "format_result", "format_speedup"]
 
 SLOW: dict = {
     # the recipe: what is learned
@@ -238,3 +238,9 @@ def format_result(label: str, r: dict) -> str:
         f"{label[:20]:<20}{r['seconds']:>6.2f} s  accuracy {r['accuracy']:.3f}  {r['steps']} steps"
         f"  {r['samples']:,} samples  {r['evaluations']} evaluations  {r['losses_read']} .item()"
     )
+
+
+def format_speedup(ratio: float) -> str:
+    """Chapter 09: a ratio of times, old / new, in words: "5.23x faster", or below 1 "1.25x slower"
+    (never "0.80x faster" for something slower)."""
+    return f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"

@@ -19,8 +19,23 @@ import os
 import re
 import statistics
 
-__all__ = ["FIXES", "load_trace", "trace_summary", "diagnose", "format_summary", "matmul_share", "plot_timeline"]
+__all__ = [
+    "DIAGNOSES",
+    "FIXES",
+    "load_trace",
+    "trace_summary",
+    "diagnose",
+    "format_summary",
+    "matmul_share",
+    "plot_timeline",
+]
 
+# Each bottleneck diagnose() can name, in words (diagnose() returns the key).
+DIAGNOSES = {
+    "data": "waiting for data",
+    "overhead": "per-op overhead (many small ops)",
+    "compute": "compute (the kernels are the step)",
+}
 # What to do about each diagnosis (diagnose() returns the key).
 FIXES = {
     "more_workers": "load and transform batches in DataLoader workers (num_workers > 0; chapter 07)",

@@ -5,22 +5,30 @@ takes one batch per step_ms, each worker makes one per load_ms, so load_ms / ste
 headroom), at most the cores there are. For the machine it measured itself it also builds the
 loader in its own process on its own dataset and augmentation, and measures how long a training
 loop with a fixed simulated step waits for data. Nothing the learner's code measures or prints is
-used: only the settings."""
+used: only the settings.
+
+Inline (check() in the learner's notebook) the machine measured is the learner's own: the messages
+say "this machine", and the judge prints a line per phase and per measured run as it goes, the
+numbers its verdict is made of. In the batch grader they say "the grader's machine" and print nothing."""
 
 from __future__ import annotations
 
 import functools
 import json
 import math
+import os
 import random
+import subprocess
 import sys
 import threading
+from pathlib import Path
+from typing import Callable
 
 from torch.utils.data import DataLoader
 
 from ...chapters import data_wait, loading
 from ...data import load_dataset
-from ..grading import Check, CheckFailure, in_fresh_process, register
+from ..grading import Check, CheckFailure, register
 from ..probes.ch07 import KEYS
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
@@ -30,6 +38,7 @@ NOISE = 0.08  # the best of two runs of the same settings differ by about this m
 CHANCES = 3  # runs of the learner's settings at most, when the first one waits too long
 STEPS = 20
 MEASURE_LIMIT = 120.0  # seconds for one submission's measurements, torch's import included
+PROGRESS = "progress: "  # the measuring process reports each run on a line that starts so (JSON after it)
 # Machines the check describes besides its own: (cores to draw from, workers needed = load_ms / step_ms).
 # Many cores and a fast model need many workers (no constant such as 4 or 8 fits); many cores and a
 # slow model need few (num_workers = cpus is far too many); few cores and a fast model need all the
@@ -134,28 +143,104 @@ def reference_settings(case: dict) -> dict:
     }
 
 
-def measurements(case: dict, settings: dict) -> tuple[float, float | None]:
-    """The learner's wait fraction, and only when that fails: the grader's own settings measured just
-    after it, and the learner's again, up to CHANCES runs in all until it is within allowed_wait (the
+def inline() -> bool:
+    """True where the judge runs in the learner's own kernel (check() in a notebook), False in the batch
+    grader, which judges in its own process (course_lib.tooling.runner is imported there, never by check())."""
+    return "course_lib.tooling.runner" not in sys.modules
+
+
+def machine() -> str:
+    """The machine the check measures, as the learner reading the message knows it."""
+    return "this machine" if inline() else "the grader's machine"
+
+
+def say(text: str, end: str = "\n") -> None:
+    """A progress line, printed at once, only inline: the grader's output is its gradebook."""
+    if inline():
+        print(text, end=end, flush=True)
+
+
+def measurements(case: dict, settings: dict, report: Callable[[dict], None] = lambda run: None) -> dict:
+    """The learner's wait fraction, and only when that is over THRESHOLD: the grader's own settings measured
+    just after it, and the learner's again, up to CHANCES runs in all until one is within allowed_wait (the
     best run counts: a 2-core machine's runs of the same settings differ by 10 points now and then).
-    Returns (mine, theirs)."""
-    mine = wait_fraction(settings, case["step_ms"])
-    if mine <= THRESHOLD:
-        return mine, None
-    theirs = wait_fraction(reference_settings(case), case["step_ms"])  # for the message, and the rule
+    report() gets each run as it ends: {"who": "mine" or "theirs", "wait": fraction}.
+    Returns {"mine": [each run's fraction], "theirs": fraction or None}."""
+
+    def run(who: str, chosen: dict) -> float:
+        wait = wait_fraction(chosen, case["step_ms"])
+        report({"who": who, "wait": wait})
+        return wait
+
+    mine = [run("mine", settings)]
+    if mine[0] <= THRESHOLD:
+        return {"mine": mine, "theirs": None}
+    theirs = run("theirs", reference_settings(case))  # for the message, and the rule
     if settings.get("num_workers", 0) == 0:
-        return mine, theirs  # loading in the training process fails however it measures
-    for _ in range(CHANCES - 1):
-        if mine <= allowed_wait(theirs):
-            break
-        mine = min(mine, wait_fraction(settings, case["step_ms"]))
-    return mine, theirs
+        return {"mine": mine, "theirs": theirs}  # loading in the training process fails however it measures
+    while len(mine) < CHANCES and min(mine) > allowed_wait(theirs):
+        mine.append(run("mine", settings))
+    return {"mine": mine, "theirs": theirs}
 
 
-def measure_in_fresh_process(case: dict, settings: dict) -> tuple[float, float | None]:
-    """measurements() in a new Python process (grading.in_fresh_process says why)."""
-    mine, theirs = in_fresh_process(__name__, [case, settings], MEASURE_LIMIT, f"measuring a loader with {settings!r}")
-    return mine, theirs
+def measure_all(pairs: list, report: Callable[[dict], None] = lambda run: None) -> list[dict]:
+    """measurements() for each [case, settings] in turn; report() also gets the pair's index as "at"."""
+    return [
+        measurements(case, settings, lambda r, i=i: report({**r, "at": i})) for i, (case, settings) in enumerate(pairs)
+    ]
+
+
+def measure_in_fresh_process(pairs: list, report: Callable[[dict], None] = lambda run: None) -> list[dict]:
+    """measure_all() in a new Python process, each run reported as it ends; one process for every case,
+    so that torch's import and the dataset are paid once."""
+    return in_fresh_process_reporting(
+        __name__, pairs, MEASURE_LIMIT, f"measuring a loader with {pairs[0][1]!r}", report
+    )
+
+
+def in_fresh_process_reporting(module: str, args: list, limit: float, what: str, report: Callable[[dict], None]):
+    """grading.in_fresh_process, with progress: run `python -m module 'json(args)'` and return the JSON of
+    its last line, passing each line it prints that starts with PROGRESS to report() as it comes (the
+    checks that measure, 07.loader_settings and 09.speed_up, say their runs as they end).
+
+    A fresh process because a DataLoader forks its workers, and forking the grader, whose judges run in
+    threads, could copy a lock another thread holds into a worker that then waits for it forever.
+    `what` names the measurement in the CheckFailure raised on a timeout or a failure."""
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", module, json.dumps(args)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root, env=env)
+    expired = threading.Event()
+    timer = threading.Timer(limit, lambda: (expired.set(), proc.kill()))
+    timer.start()
+    other: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # stderr too: one pipe, read to its end, cannot fill up and stop the child
+            if line.startswith(PROGRESS):
+                report(json.loads(line[len(PROGRESS) :]))
+            else:
+                other.append(line)
+        proc.wait()
+    except BaseException:  # the stop button, the grader's time limit: the measurement stops too
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        timer.cancel()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    if expired.is_set():
+        raise CheckFailure(f"{what} took over {limit:.0f} s")
+    results = [line for line in other if line.startswith(("[", "{"))]  # the last line, unless a warning followed
+    if proc.returncode != 0 or not results:
+        raise CheckFailure(f"{what} failed: {''.join(other).strip()[-600:]}")
+    return json.loads(results[-1])
+
+
+def reporting(run: dict) -> None:
+    """A measuring process's report of one run, on the line in_fresh_process_reporting reads."""
+    print(PROGRESS + json.dumps(run), flush=True)
 
 
 def wait_fraction(settings: dict, step_ms: float) -> float:
@@ -179,9 +264,11 @@ class LoaderSettings(Check):
 
     def cases(self, rng: random.Random) -> list:
         n = data_wait.cpus()
+        say(f"{self.name}: timing one core's augmentation on {machine()} ...", end="")
         with _MEASURING:  # one core's cost per image of the grader's augmentation, on this machine, now
             probe = DataLoader(_dataset(), batch_size=32)
             run = data_wait.measure_loader(probe, data_wait.simulated_step(0), steps=8, warmup=1)
+        say(f" {run.step.median_ms:.0f} ms per batch of 32")
         per_image_ms = run.step.median_ms / 32
         out = []
         for batch_size in (rng.choice([24, 32, 40]), rng.choice([48, 56, 64])):
@@ -216,7 +303,7 @@ class LoaderSettings(Check):
         return {k: case[k] for k in KEYS}  # which machine was measured is the grader's business
 
     def describe(self, case: dict) -> str:
-        where = "the grader's machine" if case.get("measured") else "a machine the check describes"
+        where = machine() if case.get("measured") else "a machine the check describes"
         return "loader_settings(" + ", ".join(f"{k}={case[k]!r}" for k in KEYS) + f") for {where}"
 
     def judge(self, cases: list, results: list) -> None:
@@ -230,32 +317,63 @@ class LoaderSettings(Check):
                 raise CheckFailure(f"DataLoader refused the settings {settings!r}: {e}") from None
             check_workers(case, settings, self.describe(case))
             checked.append((case, settings))
+        say(f"   worker counts: within the chapter's rule on all {len(checked)} machines")
         # Only then the measurements, which take seconds: a wrong worker count fails at once.
-        for case, settings in checked:
-            if case["measured"]:
-                self._measure(case, settings)
+        self._measure_all([(case, settings) for case, settings in checked if case["measured"]])
 
     def _measure(self, case: dict, settings: dict) -> None:
-        call, step, ours = self.describe(case), case["step_ms"], reference_settings(case)
+        self._measure_all([(case, settings)])
+
+    def _measure_all(self, pairs: list) -> None:
+        """Measure every (case, settings) in one fresh process, saying each run as it ends, then judge each."""
+        first = set()
+
+        def report(run: dict) -> None:
+            case, settings = pairs[run["at"]]
+            wait, workers = run["wait"], reference_settings(case)["num_workers"]
+            if run["who"] == "theirs":
+                allowed = "" if settings.get("num_workers", 0) == 0 else f"; up to {allowed_wait(wait):.0%} passes here"
+                say(f"      over {THRESHOLD:.0%}, so the check's own num_workers={workers} ran: {wait:.0%}{allowed}")
+            elif run["at"] in first:
+                say(f"      your settings again: {wait:.0%}")
+            else:
+                first.add(run["at"])
+                say(
+                    f"   batch {case['batch_size']}, {case['step_ms']:g} ms of compute per step: "
+                    f"your loader waited for data {wait:.0%} of the time"
+                )
+
+        if not pairs:
+            return
+        say(f"   measuring your settings on {machine()}, in a fresh Python process (torch's import first):")
         with _MEASURING:
-            mine, theirs = measure_in_fresh_process(case, settings)
+            results = measure_in_fresh_process([[case, settings] for case, settings in pairs], report)
+        for (case, settings), measured in zip(pairs, results, strict=True):
+            self._verdict(case, settings, min(measured["mine"]), len(measured["mine"]), measured["theirs"])
+
+    def _verdict(self, case: dict, settings: dict, mine: float, runs: int, theirs: float | None) -> None:
         if mine <= THRESHOLD:
             return
+        assert theirs is not None  # measured whenever the learner's first run is over the threshold
+        call, step, ours = self.describe(case), case["step_ms"], reference_settings(case)
+        best = f"the best of {runs} runs, " if runs > 1 else ""
         in_process = settings.get("num_workers", 0) == 0
         if in_process or mine > allowed_wait(theirs):
             rule = (
                 "num_workers=0 loads between steps and never passes"
                 if in_process
-                else f"or not much more than the grader's own settings: {allowed_wait(theirs):.0%} here"
+                else f"or not much more than the check's own settings: {allowed_wait(theirs):.0%} here"
             )
             raise CheckFailure(
                 f"{call} returned {settings!r}: a loop with {step:g} ms of compute per step waited for data "
-                f"{mine:.0%} of the time (at most {THRESHOLD:.0%} passes, {rule}); with {ours!r} it waited "
-                f"{theirs:.0%} on this machine just now"
+                f"{mine:.0%} of the time ({best}at most {THRESHOLD:.0%} passes, {rule}); with {ours!r} it waited "
+                f"{theirs:.0%} on {machine()} just now"
             )
         # Within noise of the grader's own settings on this machine, now, passes: a machine where
         # those barely hide the loading (or cannot: a busy one) must not fail an answer as good.
         # Loading in the training process itself never passes.
+        allowed = allowed_wait(theirs)
+        say(f"      passes: {best}{mine:.0%}, is within {allowed:.0%} (the check's own settings plus noise)")
 
 
 def allowed_wait(theirs: float) -> float:
@@ -268,5 +386,6 @@ def allowed_wait(theirs: float) -> float:
     return max(THRESHOLD, theirs + NOISE + max(0.0, theirs - THRESHOLD))
 
 
-if __name__ == "__main__":  # measure_in_fresh_process: python -m course_lib.tooling.checks.ch07 '[case, settings]'
-    print(json.dumps(measurements(*json.loads(sys.argv[1]))))
+# measure_in_fresh_process runs `python -m course_lib.tooling.checks.ch07 '[[case, settings], ...]'`
+if __name__ == "__main__":
+    print(json.dumps(measure_all(json.loads(sys.argv[1]), reporting)), flush=True)

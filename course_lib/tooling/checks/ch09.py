@@ -6,6 +6,9 @@ and the learner's settings itself, in a fresh Python process, alternately, and j
 speed-up, the samples trained on and the test accuracy it measured. Nothing the learner's code
 measures or prints is used: only the settings.
 
+Inline (check() in the learner's notebook) the judge prints each round of the measurement as it
+ends, on "this machine"; in the batch grader it prints nothing (ch07.say).
+
 09.first_overflow and 09.mfu: property checks on fresh random inputs, answers computed here.
 The kernel side is course_lib/tooling/probes/ch09.py.
 """
@@ -17,9 +20,11 @@ import math
 import random
 import sys
 import threading
+from typing import Callable
 
 from ...chapters import speedup
-from ..grading import Check, CheckFailure, expect_list, in_fresh_process, register
+from ..grading import Check, CheckFailure, expect_list, register
+from .ch07 import in_fresh_process_reporting, machine, reporting, say  # shared with the other measuring check
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
@@ -57,26 +62,34 @@ def validate(settings: object, slow: dict) -> dict:
     return full
 
 
-def measurements(slow: dict, fast: dict, repeats: int = REPEATS) -> dict:
+def measurements(
+    slow: dict, fast: dict, repeats: int = REPEATS, report: Callable[[dict], None] = lambda run: None
+) -> dict:
     """Both scripts, alternately, `repeats` times each, on one torch thread (a busy machine then slows
-    both alike): the best time of each, with the accuracy, samples and steps of its first run."""
+    both alike): the best time of each, with the accuracy, samples and steps of its first run.
+    report() gets each round as it ends: {"round": 1, "slow": seconds, "fast": seconds}."""
     import torch
 
     torch.set_num_threads(1)
     out: dict = {}
-    for _ in range(repeats):
+    for i in range(repeats):
+        this = {}
         for name, settings in (("slow", slow), ("fast", fast)):
             r = speedup.run_script(settings)
+            this[name] = r["seconds"]
             if name in out:
                 out[name]["seconds"] = min(out[name]["seconds"], r["seconds"])
             else:
                 out[name] = {k: r[k] for k in ("seconds", "accuracy", "samples", "steps")}
+        report({"round": i + 1, **this})
     return out
 
 
-def measure_in_fresh_process(slow: dict, fast: dict) -> dict:
-    """measurements() in a new Python process (grading.in_fresh_process says why)."""
-    return in_fresh_process(__name__, [slow, fast], MEASURE_LIMIT, "running the slow script and yours")
+def measure_in_fresh_process(slow: dict, fast: dict, report: Callable[[dict], None] = lambda run: None) -> dict:
+    """measurements() in a new Python process, each round reported as it ends (ch07 says why a fresh one)."""
+    return in_fresh_process_reporting(
+        __name__, [slow, fast], MEASURE_LIMIT, "running the slow script and yours", report
+    )
 
 
 def verdict(m: dict) -> None:
@@ -95,8 +108,11 @@ def verdict(m: dict) -> None:
     if fast["accuracy"] < slow["accuracy"] - ACCURACY_DROP:
         raise CheckFailure(f"{said}: more than {ACCURACY_DROP:.0%} of accuracy lost. Keep what is learned")
     ratio = slow["seconds"] / fast["seconds"]
+    faster = speedup.format_speedup(ratio)
     if ratio < THRESHOLD:
-        raise CheckFailure(f"{said}: {ratio:.1f}x faster, at least {THRESHOLD:g}x passes")
+        raise CheckFailure(f"{said} on {machine()}: {faster}, at least {THRESHOLD:g}x faster passes")
+    times = f"the slow script {slow['seconds']:.2f} s, yours {fast['seconds']:.2f} s"
+    say(f"   best of {REPEATS}: {times}, {faster}; accuracy {slow['accuracy']:.3f} and {fast['accuracy']:.3f}")
 
 
 @register
@@ -126,8 +142,9 @@ class SpeedUp(Check):
     def judge(self, cases: list, results: list) -> None:
         for slow, got in zip(cases, expect_list(results, "speed_up's answers", len(cases))):
             fast = validate(got, slow)
+            say(f"{self.name}: the slow script and yours, {REPEATS} rounds on {machine()} (a fresh process, 1 thread):")
             with _MEASURING:
-                m = measure_in_fresh_process(slow, fast)
+                m = measure_in_fresh_process(slow, fast, _say_round)
             verdict(m)
 
 
@@ -293,5 +310,9 @@ class Mfu(Check):
             raise CheckFailure(f"{self.describe(case)} returned {got:.6g}; expected {want:.6g}{why}")
 
 
+def _say_round(run: dict) -> None:
+    say(f"   round {run['round']}: the slow script {run['slow']:.2f} s, yours {run['fast']:.2f} s")
+
+
 if __name__ == "__main__":  # measure_in_fresh_process: python -m course_lib.tooling.checks.ch09 '[slow, fast]'
-    print(json.dumps(measurements(*json.loads(sys.argv[1]))))
+    print(json.dumps(measurements(*json.loads(sys.argv[1]), report=reporting)), flush=True)
