@@ -31,7 +31,9 @@ def test_every_notebook_is_stamped_with_the_configured_badge_and_setup_cell():
 def test_badge_links_to_this_notebook_on_colab(path):
     nb = nbformat.read(path, as_version=4)
     cfg = colab.read_config(ROOT)
-    assert f"github/{cfg['repo']}/blob/{cfg['ref']}/{path.relative_to(ROOT).as_posix()})" in nb.cells[0].source
+    url = f"https://colab.research.google.com/github/{cfg['repo']}/blob/{cfg['ref']}/{path.relative_to(ROOT).as_posix()}"
+    assert f"]({url})" in nb.cells[0].source
+    assert f"[Open this notebook in Colab]({url})" in nb.cells[0].source  # offline the badge image is broken
     assert nb.metadata["colab"]["gpuType"] == "T4" and nb.metadata["accelerator"] == "GPU"
 
 
@@ -202,3 +204,13 @@ def test_the_targets_table_of_chapter_09_is_aligned_within_100_columns():
         assert len(fields) == 6 and fields[2][:2] in (">=", "<=") and fields[3] in ("yes", "NO", "n/a"), line
         assert fields[5] in ("yes", "NO", "n/a", "-") and (fields[4] == "-") == (fields[5] == "-"), line
     assert "3,123" in lines[1] and ">= 2,470  yes   >= 3,200   NO" in lines[1] and "<= 0.65   NO" in lines[4]
+
+
+EXERCISE_NOTEBOOKS = sorted((ROOT / "solutions").glob("*.ipynb")) + sorted((ROOT / "exercises").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", EXERCISE_NOTEBOOKS, ids=ids(EXERCISE_NOTEBOOKS))
+def test_an_exercise_links_back_to_its_chapter_from_its_title(path):
+    chapter = next((ROOT / "notebooks").glob(f"{path.name[:2]}_*.ipynb"))
+    title = nbformat.read(path, as_version=4).cells[2].source
+    assert title.startswith("# Exercise") and f"](../notebooks/{chapter.name})" in title

@@ -36,7 +36,7 @@ print(hardware_report())"""
 
 # Cell 0: the badge, and what the setup cell does (and does not do) in words.
 BADGE_TEMPLATE = """\
-[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url})
+[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({url}) [Open this notebook in Colab]({url})
 
 *Setup:* on Colab the next cell fetches this course at the notebook's version ({ref}) and
 installs it without touching Colab's own torch (the course only sets minimum versions);
