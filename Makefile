@@ -17,10 +17,11 @@ LAB_ARGS ?=
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: help venv lab test test-gpu test-floor bench exercises check-exercises stamp grade clean
+.PHONY: help venv lab update test test-gpu test-floor bench exercises check-exercises stamp grade clean
 
 help:
 	@echo "make lab        open JupyterLab on the course (creates .venv on first use)"
+	@echo "make update     git pull the course's newest version, keeping your outputs and answers"
 	@echo "make test       run every test: library, notebooks (nbval), grading, exercises in sync"
 	@echo "make test-gpu   the same suite with the current python3 and the GPU cells forced on"
 	@echo "make test-floor library tests and chapters on the LOWEST torch/torchvision pyproject.toml allows (.venv-floor)"
@@ -35,27 +36,42 @@ $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q -e ".[lab,test]"
-	@# The course works offline: JupyterLab neither asks to fetch news nor checks for updates.
-	@mkdir -p $(VENV)/share/jupyter/lab/settings
-	@echo '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false}}' \
-	  > $(VENV)/share/jupyter/lab/settings/overrides.json
 	@$(VPY) -c "import torch; print('installed torch', torch.__version__)"
 	@# torchvision is needed only for the ResNet models; a mismatched pair must not stop the course.
 	@$(VPY) -c "import torchvision; print('installed torchvision', torchvision.__version__)" 2>/dev/null || \
 	  echo "warning: torchvision does not import next to this torch; only the ResNet cells need it (pip install -U torch torchvision)"
 	@touch $(STAMP)
 
-venv: $(STAMP)
+# JupyterLab's defaults for the course (overrides.json in the venv; a learner's own settings win).
+# It works offline: no news, no update checks. It saves widget state with the notebook, so a
+# reopened chapter shows each progress bar as it ended instead of "Error displaying widget".
+LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.json
+$(LAB_SETTINGS): $(STAMP) Makefile
+	@mkdir -p $(dir $@)
+	@echo '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false},' \
+	  '"@jupyter-widgets/jupyterlab-manager:plugin": {"saveState": true}}' > $@
+
+venv: $(STAMP) $(LAB_SETTINGS)
 
 # Rooted at the repository, so the file browser and the chapters' links reach exercises/,
-# solutions/, course_lib/ and data/; it opens on chapter 00. (Passing the notebook as an
-# argument instead would root JupyterLab at notebooks/.) The course's contents manager keeps a
-# notebook that was only read byte for byte unchanged (course_lib/tooling/lab.py).
-lab: $(STAMP)
+# solutions/, course_lib/ and data/; it opens on chapter 00 with the file browser at the top
+# (file-browser-path; passing the notebook as an argument instead would root JupyterLab at
+# notebooks/). The course's contents manager keeps a notebook that was only read byte for byte
+# unchanged (course_lib/tooling/lab.py). Before starting, git is told to read the notebooks
+# without their outputs (course_lib/tooling/notebook_filter.py; nothing happens outside a git checkout), so
+# running a chapter leaves `git status` clean and `git pull` free.
+lab: $(STAMP) $(LAB_SETTINGS)
+	@$(VPY) course_lib/tooling/notebook_filter.py install "$(CURDIR)"
 	$(VPY) -m jupyter lab $(LAB_ROOT) --ServerApp.root_dir="$(CURDIR)" \
 	  --ServerApp.contents_manager_class=course_lib.tooling.lab.CourseContentsManager \
-	  --LabApp.default_url=/lab/tree/notebooks/00_setup.ipynb \
+	  "--LabApp.default_url=/lab/tree/notebooks/00_setup.ipynb?file-browser-path=/" \
 	  --LabApp.news_url=None --LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate $(LAB_ARGS)
+
+# The course's newest version, keeping the learner's work: outputs of chapters the update does
+# not change, and answers in exercises/ (git refuses, and says so, where an update would replace
+# an answered exercise: README, "Updating the course"). Needs no venv.
+update:
+	@$(PYTHON) course_lib/tooling/notebook_filter.py update "$(CURDIR)"
 
 test: $(STAMP)
 	$(VPY) -m course_lib.device

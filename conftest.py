@@ -13,6 +13,9 @@ Nothing silent: in the CPU tier, a code cell that tests/printing_cells.json list
 and that printed nothing (or only whitespace) fails the session, judged only in notebooks whose
 code cells all ran to their end here (course_lib/tooling/nbtools.py; refresh the manifest with
 `python -m course_lib.tooling.nbtools printing-cells`, i.e. `--update-printing-cells`).
+Git after Run All: in the CPU tier, a notebook that ran to its end must read as unchanged through
+the git filter `make lab` configures (course_lib/tooling/notebook_filter.py): the outputs its
+compared cells printed here, stored as the filter stores them, must be its committed bytes.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ _peak_rss: dict[str, int] = defaultdict(int)
 _gpu_cells: dict[str, list[str]] = defaultdict(list)  # outcome -> node ids
 _cell_runs: dict = {}  # notebook path -> nbtools.NotebookRun: which code cells ran and printed (CPU tier)
 _silence: dict = {}  # what the printing check found, for the terminal summary
+_checked_outputs: dict = {}  # notebook path -> {cell index: what an nbval-check-output cell printed here}
+_modified_after_run: list[str] = []  # notebooks that git would list as changed after a learner's Run All
 
 
 def _cuda_available() -> bool:
@@ -124,6 +129,17 @@ def _record_cell_run(item: pytest.Item, report: pytest.TestReport) -> None:
     first_line = next((line for line in item.cell.source.splitlines() if line.strip()), "")[:80]
     shown = None if report.skipped else printed(item.test_outputs or [])
     run.cells[item.cell.get("id", f"index-{index}")] = CellRun(index, shown, first_line, item.cell_num)
+    if "nbval-check-output" in item.cell.get("metadata", {}).get("tags", []) and not report.skipped:
+        _checked_outputs.setdefault(path, {})[index] = list(item.test_outputs or [])
+
+
+def _git_sees_a_change_after_run_all(path: str) -> bool:
+    from pathlib import Path
+
+    from course_lib.tooling.nbtools import reads_as_modified_after_run
+
+    committed = Path(path).read_text(encoding="utf-8")
+    return reads_as_modified_after_run(committed, _checked_outputs.get(path, {}))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -159,7 +175,9 @@ def _judge_printing_cells(config: pytest.Config) -> bool:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     over = [p for p, rss in _peak_rss.items() if rss > NOTEBOOK_MEMORY_BUDGET]
     went_silent = bool(_cell_runs) and _judge_printing_cells(session.config)
-    if over or went_silent or (GPU_TIER and _gpu_cells.get("skipped")):
+    _modified_after_run.extend(p for p, run in sorted(_cell_runs.items()) if run.complete
+                               and _git_sees_a_change_after_run_all(p))
+    if over or went_silent or _modified_after_run or (GPU_TIER and _gpu_cells.get("skipped")):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -179,6 +197,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         where = "with CUDA" if GPU_TIER else "with CUDA hidden: each took its CPU path"
         why = " (GPU tier: skipped gpu cells fail the run)" if GPU_TIER and skipped else ""
         tr.write_line(f"ran {ran} ({where}), skipped {skipped}{why}")
+    if _modified_after_run:
+        tr.section("notebooks that git would list as modified after Run All (fails the run)", red=True)
+        for path in _modified_after_run:
+            tr.write_line(f"{path}: a compared cell's output differs, byte for byte, from the stored one; "
+                          f"refresh it: python -m course_lib.tooling.nbtools refresh {path}", red=True)
+    elif _cell_runs and not GPU_TIER:
+        tr.section("git after Run All")
+        complete = sum(run.complete for run in _cell_runs.values())
+        tr.write_line(f"{complete} notebook(s) ran to their end; through make lab's git filter none reads as modified")
     if "updated" in _silence:
         tr.section("printing cells: manifest rewritten")
         where = terminalreporter.config.getoption("--printing-cells-manifest")

@@ -28,10 +28,14 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
+from course_lib.tooling import notebook_filter
+
 __all__ = [
     "keeps_output",
     "strip",
     "refresh",
+    "write_committed",
+    "reads_as_modified_after_run",
     "without_widget_views",
     "printed",
     "CellRun",
@@ -104,12 +108,29 @@ def refresh(path: Path, timeout: int = 600) -> None:
                 continue  # gpu cells are leaves: nothing after them needs their results
             client.execute_cell(cell, index)
     strip(nb)
-    for cell in nb.cells:
-        if keeps_output(cell):
-            for out in cell.outputs:
-                if out.get("output_type") == "execute_result":
-                    out["execution_count"] = 1  # same fixed count as the cell; the schema requires one
-    nbformat.write(nb, path)
+    write_committed(nb, path)
+
+
+def write_committed(nb: nbformat.NotebookNode, path: Path) -> bool:
+    """Store a notebook exactly as git's clean filter reads it (course_lib/tooling/notebook_filter.py:
+    compared outputs only, one stream per run of prints, count 1), so that a learner's run of it
+    reads as unchanged; True if the file changed."""
+    text = notebook_filter.clean(nbformat.writes(nb).encode("utf-8")).decode("utf-8")
+    if path.exists() and path.read_text(encoding="utf-8") == text:
+        return False
+    path.write_text(text, encoding="utf-8")
+    return True
+
+
+def reads_as_modified_after_run(committed: str, checked_outputs: dict[int, list]) -> bool:
+    """Would git list this notebook as modified after a learner ran all of it, with the filter
+    `make lab` configures? `committed` is the notebook's file; `checked_outputs` maps the index of
+    each nbval-check-output cell to what it printed in this run. nbval compares those outputs after
+    its sanitizer, which can let a difference pass (448 or NaN); git compares bytes."""
+    nb = nbformat.reads(committed, as_version=4)
+    for index, outputs in checked_outputs.items():
+        nb.cells[index].outputs, nb.cells[index].execution_count = outputs, 7  # any count: the filter stores 1
+    return notebook_filter.clean(nbformat.writes(nb).encode("utf-8")).decode("utf-8") != committed
 
 
 # --------------------------------------------------------------------------- cells that print
@@ -271,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
             print("refreshed", path)
         else:
             nb = nbformat.read(path, as_version=4)
-            if strip(nb):
-                nbformat.write(nb, path)
+            strip(nb)
+            if write_committed(nb, path):
                 print("stripped", path)
     return 0
 
