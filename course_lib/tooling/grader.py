@@ -31,18 +31,20 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import sandbox
+from . import sandbox, source_rules
 from .grading import Check, checks_for
 from .runner import Attempt, Faults, code_cells, run_submission
 
-__all__ = ["grade_folder", "find_submissions", "main"]
+__all__ = ["grade_folder", "grade_or_record", "find_submissions", "main", "CourseChanged"]
 
 ROOT = Path(__file__).resolve().parents[2]
 CSV_FIELDS = ("student", "notebook", "exercise", "points", "max_points", "passed", "status", "message")
+ADDRESS_SPACE_SLACK = 16 * 2**30  # bytes of address space per process beyond the memory cap
 
 
 @dataclass(frozen=True)
@@ -88,8 +90,19 @@ def _row(sub: Submission, check: Check | None, passed: bool, status: str, messag
         "max_points": points,
         "passed": passed,
         "status": status,
-        "message": message,
+        "message": _text(message),
     }
+
+
+def _text(message: str, limit: int = 2000) -> str:
+    """A message fit for the gradebook: of bounded length, and UTF-8 (a kernel's lone surrogate is not)."""
+    text = str(message)
+    text = text if len(text) <= limit else text[:limit] + " …"
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+class CourseChanged(RuntimeError):
+    """The course's own files changed: nothing more may be graded on this checkout (the run stops)."""
 
 
 class Gradebook:
@@ -176,8 +189,8 @@ class Options:
 
 def grade_submission(sub: Submission, opts: Options, book: Gradebook, digest: str) -> list[dict]:
     """Grade one notebook; every judged task is recorded as soon as it is judged. Returns its rows."""
-    if _course_digest(opts.library) != digest:  # another submission changed the course: grade nothing more
-        raise RuntimeError(f"the course's files changed before {sub.notebook} was graded")
+    if not _unchanged(opts.library, digest):  # another submission changed the course: grade nothing more
+        raise CourseChanged(f"the course's files changed before {sub.notebook} was graded")
     run = secrets.token_hex(8)
     rows: list[dict] = []
 
@@ -209,8 +222,15 @@ def grade_submission(sub: Submission, opts: Options, book: Gradebook, digest: st
     elif problem:
         emit(None, "not graded", problem)
     else:
-        _run_in_sandbox(sub, checks, opts, emit)
-    if _course_digest(opts.library) != digest:  # only at the session level: the namespaces make it read-only
+        try:
+            _run_in_sandbox(sub, checks, opts, emit)
+        except Exception as e:  # noqa: BLE001  the grader's own failure on this notebook: the batch goes on
+            _report_failure(sub, e)
+            judged = {r["exercise"] for r in rows}
+            for c in checks:
+                if c.name not in judged:  # the tasks judged before it keep their grades
+                    emit(c, "not graded", _failed_message(e))
+    if not _unchanged(opts.library, digest):  # only at the session level: the namespaces make it read-only
         rows = [
             {
                 **r,
@@ -224,7 +244,7 @@ def grade_submission(sub: Submission, opts: Options, book: Gradebook, digest: st
         for row in rows:
             book.record(sub, run, row)
         book.finish(sub, run, rows)
-        raise RuntimeError(
+        raise CourseChanged(
             f"the course's files changed while {sub.notebook} was graded: restore them "
             "(git checkout -- course_lib data), then grade in a container"
         )
@@ -232,12 +252,68 @@ def grade_submission(sub: Submission, opts: Options, book: Gradebook, digest: st
     return rows
 
 
+def _unchanged(library: Path, digest: str) -> bool:
+    """The course's files are as they were (a file made unreadable counts as changed)."""
+    try:
+        return _course_digest(library) == digest
+    except OSError:
+        return False
+
+
+def _failed_message(e: BaseException) -> str:
+    try:
+        what = f"{type(e).__name__}: {e}"[:160]
+    except Exception:  # noqa: BLE001  an exception with a broken __str__
+        what = type(e).__name__
+    return (
+        f"the grader itself failed on this notebook ({what}). This is no judgement of your work: "
+        "your instructor can grade it again (rerun the grader with --restart, or remove this notebook's lines "
+        "from gradebook.jsonl and rerun)"
+    )
+
+
+def _report_failure(sub: Submission, e: BaseException) -> None:
+    """Tell the instructor, on stderr, what failed: the gradebook row tells the student."""
+    lines = traceback.format_exception(e)
+    print(
+        f"grader: {sub.notebook}: the grader failed on it and recorded it as not graded; the run goes on:\n"
+        + "".join(lines[:4] + (["  ...\n"] if len(lines) > 8 else []) + lines[-4:])[-4000:],
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def grade_or_record(sub: Submission, opts: Options, book: Gradebook, digest: str) -> list[dict]:
+    """grade_submission, where the grader's own failure on this one notebook becomes its rows ('not
+    graded', marked done, so a rerun does not stop on it again) instead of the end of the run. Only
+    a changed course (CourseChanged) stops the run."""
+    try:
+        return grade_submission(sub, opts, book, digest)
+    except CourseChanged:
+        raise
+    except Exception as e:  # noqa: BLE001
+        _report_failure(sub, e)
+        try:
+            checks = checks_for(sub.chapter) if sub.chapter else []
+        except Exception:  # noqa: BLE001
+            checks = []
+        run = secrets.token_hex(8)
+        rows = [_row(sub, c, False, "not graded", _failed_message(e)) for c in checks or [None]]
+        for row in rows:
+            book.record(sub, run, row)
+        book.finish(sub, run, rows)
+        return rows
+
+
 def _run_in_sandbox(sub: Submission, checks: list[Check], opts: Options, emit) -> None:
     try:
-        code_cells(sub.path)  # reading JSON is safe in this process; running the notebook is not
+        cells = code_cells(sub.path)  # reading JSON is safe in this process; running the notebook is not
     except Exception as e:
         for c in checks:
             emit(c, "not graded", f"the file is not a readable notebook ({type(e).__name__}: {str(e)[:150]})")
+        return
+    checks = judge_from_source(cells, checks, emit)
+    if not checks:
         return
     rng = random.Random(secrets.randbits(64))
     cases = {c.name: c.cases(rng) for c in checks}  # they stay here: the kernel sees one task's public part
@@ -248,13 +324,15 @@ def _run_in_sandbox(sub: Submission, checks: list[Check], opts: Options, emit) -
         if opts.level == "namespaces":
             env.update(sandbox.namespace_env(box, opts.library, [opts.workspace, *opts.hidden]))
         shutil.copy(sub.path, box / "work" / sub.path.name)
+        memory = int(opts.memory_gb * 2**30)  # resident, all its processes together: sandbox.MemoryWatch
         limits = {
-            "as": 0 if _cuda_visible() else int(opts.memory_gb * 2**30),  # CUDA reserves more address space
+            # Address space only as a far backstop (torch alone reserves ~3 GB of it), none with CUDA (far more)
+            "as": 0 if _cuda_visible() else memory + ADDRESS_SPACE_SLACK,
             "cpu": int(opts.total_timeout * 2),
         }
 
         def start(faults: Faults) -> Attempt:
-            return Attempt(box, opts.level, env, box / "kernel.log", faults, limits)
+            return Attempt(box, opts.level, env, box / "kernel.log", faults, limits, memory)
 
         faults = run_submission(
             box / "work" / sub.path.name,
@@ -271,9 +349,57 @@ def _run_in_sandbox(sub: Submission, checks: list[Check], opts: Options, emit) -
         shutil.rmtree(box, ignore_errors=True)
 
 
+def judge_from_source(cells: list[str], checks: list[Check], emit) -> list[Check]:
+    """What the grader decides from the notebook's source, in its own process, before its kernel runs
+    (course_lib/tooling/source_rules.py); returns the checks left for the kernel to answer.
+
+    Code that could reach into the grading code in the kernel: no task is graded automatically. A
+    task whose function is still the stub: not attempted. A task whose function reaches a module the
+    task forbids: failed. Nothing the kernel does later can change these."""
+    if os.environ.get("AMP_GRADER_NO_SOURCE_READING") == "1":  # tests of the defences beneath the reading
+        return checks
+    nb = source_rules.read(cells)
+    reaching = source_rules.reaching_code(nb)
+    if reaching:
+        first, more = reaching[0], len(reaching) - 1
+        also = f" (and {more} more place{'s' if more > 1 else ''})" if more else ""
+        for c in checks:
+            emit(
+                c,
+                "not graded",
+                f"{first.where()} uses {first.what}{also}: code that can read or rewrite the grader's own code "
+                "inside your notebook's Python process, so this notebook is not graded automatically. Remove it "
+                "and resubmit, or ask your instructor to grade it by hand",
+            )
+        return []
+    left = []
+    for c in checks:
+        stubs = source_rules.stub_tasks(nb, c.args)
+        found = source_rules.forbidden_use(nb, c.args, tuple(c.forbidden))
+        if stubs:
+            emit(
+                c,
+                "not attempted",
+                f"not attempted yet: `{stubs[0]}` is still the exercise's stub (NotImplementedError)",
+            )
+        elif found is not None:
+            emit(
+                c,
+                "failed",
+                f"{c.args[0]} uses {found.what} ({found.where()}), which this task asks you not to use"
+                + (f": {c.forbidden_why}" if c.forbidden_why else ""),
+            )
+        else:
+            left.append(c)
+    return left
+
+
 def _cuda_visible() -> bool:
-    torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_available())
+    if "torch" not in sys.modules:
+        return False
+    import torch  # another thread may be importing it (a chapter's checks): this waits until it is whole
+
+    return bool(torch.cuda.is_available())
 
 
 def choose_level(requested: str) -> str:
@@ -330,7 +456,7 @@ def grade_folder(
     digest = _course_digest(library)
     pool = ThreadPoolExecutor(max(1, jobs))
     try:
-        for fut in as_completed([pool.submit(grade_submission, s, opts, book, digest) for s in todo]):
+        for fut in as_completed([pool.submit(grade_or_record, s, opts, book, digest) for s in todo]):
             fut.result()  # a changed checkout stops the run here, loudly
     finally:
         pool.shutdown(wait=True, cancel_futures=True)  # nothing more is graded on a changed checkout
@@ -365,12 +491,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="submissions graded at once (default 2)")
     p.add_argument("--cell-timeout", type=float, default=60, help="seconds per notebook cell (default 60)")
     p.add_argument("--total-timeout", type=float, default=900, help="seconds per submission, a backstop")
-    p.add_argument("--memory-gb", type=float, default=6, help="address-space limit per submission (default 6)")
+    p.add_argument("--memory-gb", type=float, default=6, help="GiB of resident memory per submission (default 6)")
     p.add_argument("--isolation", choices=["auto", "namespaces", "session"], default="auto")
     p.add_argument("--restart", action="store_true", help="forget gradebook.jsonl and grade everything again")
     args = p.parse_args(argv)
     if not args.submissions.is_dir():
         p.error(f"{args.submissions} is not a folder of submissions")
+    # A thread answering a timing task's ask waits for the GIL while another grades: 1 ms, not 5 ms, a turn
+    sys.setswitchinterval(0.001)
     try:
         grade_folder(
             args.submissions,

@@ -60,6 +60,7 @@ __all__ = [
     "judge_response",
     "serve",
     "STATUSES",
+    "REQUEST_PLEASE",
     "ANSWER_FD_ENV",
 ]
 
@@ -421,11 +422,17 @@ class _Channel:
         self.sock.close()
 
 
-def serve(request: dict, namespace: dict) -> None:
+REQUEST_PLEASE = {"next": True}  # the one line serve() sends before it has a question to answer
+
+
+def serve(request: dict | None, namespace: dict) -> None:
     """Kernel side of the batch grader: answer one task on the grader's channel, never raise.
 
     `request` is what the grader sends after the notebook's cells have run: the task's public
     part (name, args, forbidden), the public cases and a nonce that the one answer must carry.
+    The batch grader passes None: the request then comes over the channel, asked for with
+    REQUEST_PLEASE, so that neither the nonce nor the cases appear in the code the kernel executes
+    (IPython keeps that code in its history, where a notebook's own code could read it).
     The grader stops a task that runs past its time limit with SIGINT; while a task runs, SIGINT
     raises our own exception, so a timeout is told apart from a KeyboardInterrupt the learner raises.
     """
@@ -433,8 +440,15 @@ def serve(request: dict, namespace: dict) -> None:
     def on_interrupt(signum: int, frame: Any) -> None:
         raise _CheckTimeout
 
-    nonce = request.get("nonce")
     channel = _Channel()
+    if request is None:
+        try:
+            channel.send(REQUEST_PLEASE)
+            request = channel.receive()
+        except BaseException:  # noqa: BLE001  no question came: the grader's time limit says the rest
+            channel.close()
+            return
+    nonce = request.get("nonce")
 
     def host(i: int, question: Any) -> Any:
         channel.send({"nonce": nonce, "ask": question, "case": i})
@@ -549,6 +563,7 @@ def check(name: str, *objects: Any) -> None:
         return
     try:
         status, message, c = run_check(name, *objects)
+        status, message, note = _as_the_grader_reads_it(c, status, message)
     except KeyError as e:
         print(_wrapped(f"❌ {name} — {e.args[0]}"))
         return
@@ -562,6 +577,36 @@ def check(name: str, *objects: Any) -> None:
             _wrapped(f"❌ {name} — {message}")
             + (f"\n{_wrapped(f'   hint: {c.hint}', indent=' ' * 9)}" if c.hint and status == "failed" else "")
         )
+    if note:
+        print(_wrapped(f"⚠️  {note}"))
+
+
+def _as_the_grader_reads_it(c: Check, status: str, message: str) -> tuple[str, str, str]:
+    """Inline, the batch grader's reading of the source (course_lib/tooling/source_rules.py), applied to
+    the cells this kernel has run (IPython's history): a forbidden module the function reaches fails
+    the task here too, and code the grader would refuse to grade is named in a note."""
+    try:
+        # the cells as typed (`In` holds them after IPython's rewriting: magics become get_ipython() calls)
+        history = get_ipython().history_manager.input_hist_raw  # type: ignore[name-defined]  # noqa: F821
+    except (NameError, AttributeError):  # not in IPython: nothing to read
+        return status, message, ""
+    from . import source_rules
+
+    nb = source_rules.read([cell for cell in history if isinstance(cell, str)])
+    found = source_rules.forbidden_use(nb, c.args, tuple(c.forbidden))
+    if found is not None and status != "not attempted":
+        status = "failed"
+        message = f"{c.args[0]} uses {found.what}, which this task asks you not to use" + (
+            f": {c.forbidden_why}" if c.forbidden_why else ""
+        )
+    reaching = source_rules.reaching_code(nb)
+    note = (
+        f"the batch grader would not grade this notebook automatically: a cell you ran uses {reaching[0].what}, "
+        "code that can read or rewrite the grader's own code"
+        if reaching
+        else ""
+    )
+    return status, message, note
 
 
 def _wrapped(text: str, indent: str = "   ", width: int = 100) -> str:

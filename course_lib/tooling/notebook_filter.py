@@ -32,6 +32,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+__all__ = ["clean", "clean_notebook", "dumps", "install", "refresh", "update", "configured", "top_of"]
+
 NAME = "amp-course-outputs"
 FOLDERS = ("notebooks", "exercises", "solutions")
 PATTERNS = tuple(f"/{folder}/*.ipynb filter={NAME}" for folder in FOLDERS)

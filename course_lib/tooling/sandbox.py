@@ -19,6 +19,14 @@ session (anywhere else)
     files the grader's user can, or kill the grader's processes. Every process it started is
     still killed afterwards, and the checkout is checked for changes after every submission.
     Grade untrusted submissions at this level only inside a container or a VM.
+
+Limits, at both levels. Memory is capped by what the machine really loses: `MemoryWatch`, a thread
+of the grader, sums the resident memory of all the sandbox's processes (the kernel, its DataLoader
+workers, anything they start) every 50 ms and kills them all once the sum is over the cap (the
+runner then says so in the task's row). Address space is not capped by it: `import torch` alone
+reserves about 3 GB of it (0.5 GB resident), CUDA far more, so a cap on it failed fair answers;
+prlimit keeps one only as a far backstop (`command`). prlimit also caps CPU seconds and file
+sizes; at the namespaces level /tmp and /dev/shm are tmpfs of 1 GiB and 256 MiB.
 """
 
 from __future__ import annotations
@@ -29,10 +37,21 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from functools import cache
 from pathlib import Path
 
-__all__ = ["available", "environment", "command", "start", "end", "learner_library", "visible_paths"]
+__all__ = [
+    "available",
+    "environment",
+    "command",
+    "start",
+    "end",
+    "learner_library",
+    "visible_paths",
+    "MemoryWatch",
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 # What the learner library leaves out of course_lib: the right answers and the grader's own code.
@@ -263,8 +282,8 @@ def environment(sandbox: Path, token: str, extra: dict[str, str], library: Path)
 
 def command(level: str, argv: list[str], limits: dict[str, int] | None = None) -> list[str]:
     """The argv that runs `argv` at this isolation level (with namespace_env's variables set), under
-    resource limits where prlimit exists: address space `as` and CPU seconds `cpu` (0: none), files
-    of at most 512 MiB, no core dumps."""
+    resource limits where prlimit exists: address space `as` per process (a backstop: memory is
+    capped by `MemoryWatch`) and CPU seconds `cpu` (0: none), files of at most 512 MiB, no core dumps."""
     out = [*_UNSHARE, "/bin/sh", "-c", _NS_SCRIPT, "sh", *argv] if level == "namespaces" else list(argv)
     if limits is not None and shutil.which("prlimit"):
         caps = [f"--{k}={v}" for k, v in limits.items() if v] + [f"--fsize={512 * 2**20}", "--core=0"]
@@ -331,3 +350,125 @@ def end(proc: subprocess.Popen, token: str) -> None:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent, session) of a live process; None for one that is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # the name, in parentheses, may hold anything
+        return None if fields[0] in (b"Z", b"X") else (int(fields[1]), int(fields[3]))
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _resident(pid: int) -> int:
+    """Bytes of memory the process has resident (RSS: pages it shares are counted in full)."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _proportional(pid: int) -> int:
+    """Bytes of memory the process holds, each page shared with n processes counted 1/n (PSS): what
+    a fork's copy-on-write pages and the shared libraries really cost. RSS where PSS is unknown."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return _resident(pid)
+
+
+class MemoryWatch:
+    """Caps the memory a sandbox really takes from the machine: a thread of the grader that sums,
+    every `interval` seconds, the resident memory of the sandbox's processes (its first process,
+    every descendant, its session, and anything carrying its token), and kills all of them the
+    moment the sum is over `cap` bytes. `killed` then holds the bytes it saw.
+
+    Address space is not memory: `import torch` alone reserves about 3 GB of it, and CUDA far more,
+    so an address-space limit fails fair answers. Resident memory counts shared pages once per
+    process, so a sum over `cap` is checked again in proportional memory (PSS, slower to read)
+    before anything is killed: forked DataLoader workers share their parent's pages. Linux only (it
+    reads /proc); elsewhere it caps nothing."""
+
+    def __init__(self, proc: subprocess.Popen, token: str, cap: int, interval: float = 0.05) -> None:
+        self.proc, self.token, self.cap, self.interval = proc, token, cap, interval
+        self.killed: int | None = None  # bytes in use when it killed the sandbox
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"memory-watch-{proc.pid}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching (the sandbox is about to end); returns once the thread has."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _members(self, marked: set[int]) -> set[int]:
+        table = {}
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit() and (info := _stat(int(entry.name))) is not None:
+                table[int(entry.name)] = info
+        root = self.proc.pid
+        found = {pid for pid, (_, session) in table.items() if session == root} | (marked & table.keys())
+        if root in table:
+            found.add(root)
+        children: dict[int, list[int]] = {}
+        for pid, (parent, _) in table.items():
+            children.setdefault(parent, []).append(pid)
+        todo = list(found)
+        while todo:  # and every descendant of those
+            for child in children.get(todo.pop(), []):
+                if child not in found:
+                    found.add(child)
+                    todo.append(child)
+        return found
+
+    def _watch(self) -> None:
+        members: set[int] = set()
+        marked: set[int] = set()  # carriers of the token, looked for once a second
+        next_scan = next_marks = next_exact = 0.0
+        exact_at = (0, 0)  # (the resident sum, the proportional sum) at the last exact reading
+        while not self._stop.is_set() and os.path.isdir("/proc"):  # Linux; elsewhere no cap
+            now = time.monotonic()
+            if now >= next_marks:
+                marked = set(_pids_with_token(self.token))
+                next_marks = now + 1.0
+            if now >= next_scan:  # a full look at /proc: at most a tenth of a core's time
+                members = self._members(marked)
+                scan_cost = time.monotonic() - now
+                next_scan = now + max(self.interval, 10 * scan_cost)
+                if not members:
+                    return  # everything it started has ended
+            resident = sum(_resident(pid) for pid in members)
+            if resident > self.cap and (
+                now >= next_exact or resident - exact_at[0] > self.cap - exact_at[1]  # grew past its margin
+            ):
+                began = time.monotonic()
+                members = self._members(marked)  # fresh: no process it did not start is measured or killed
+                used = sum(_proportional(pid) for pid in members)
+                exact_at, next_exact = (resident, used), began + max(0.25, 5 * (time.monotonic() - began))
+                if used > self.cap:
+                    self.killed = used  # said before the kill: the runner reads it once the kernel is dead
+                    self._kill(members)
+                    return
+            self._stop.wait(self.interval)
+
+    def _kill(self, pids: set[int]) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass

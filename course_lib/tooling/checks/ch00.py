@@ -10,6 +10,7 @@ from time import perf_counter, sleep  # bound now: a learner who patches time.sl
 
 from ...device import recommend_precision
 from ..grading import Check, CheckFailure, expect_dict, expect_list, expect_number, register
+from . import timed
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
@@ -65,20 +66,29 @@ class ChoosePrecision(Check):
                 raise CheckFailure(f"choose_precision({tuple(cc)}) returned {shown!r}, expected {expected!r}")
 
 
-def _timing_case(rng: random.Random) -> dict:
-    """Step durations whose median, mean, minimum and warm-up-including median all differ clearly.
+def _timing_case(rng: random.Random, m: float | None = None) -> dict:
+    """Step durations around a median m whose mean, minimum and warm-up-including median all differ clearly.
 
-    Timed calls: multiples of a centre m (8-16 ms) spread below and above it, and one outlier of
-    ~8.5 m; warm-up calls take 6-8 m (like cuDNN autotuning). So min ~ 0.55 m, mean ~ 2.1 m, and
-    the median of warm-ups + timed calls is 1.65 m, 1.8 m or ~3.9 m: only the median of the timed
-    calls lands near m, with room for a busy machine's late wake-ups in between.
+    Timed calls: multiples of m spread below it (0.15-0.75 m), two at it, one above it (3.1 m) and one
+    outlier of 8.9 m; 4-5 warm-up calls take ~3.4 m (like cuDNN autotuning). So the minimum is ~0.15 m,
+    the mean ~2.2 m and the median of warm-ups + timed calls 3.1-3.3 m: on the long case (m of 68-75 ms)
+    each lies further from m, and from each other, than a call's round trip to the grader can add
+    (timed.TRANSIT_MS), so each mistake is told apart. The second call at m lets one call be slowed
+    past any allowance without failing a correct timer (timed.bounds).
     """
-    m = rng.uniform(0.008, 0.016)
-    warmup = rng.randint(3, 5)
-    timed = [f * rng.uniform(0.97, 1.03) for f in (0.55, 0.7, 0.85, 1.0, 1.5, 1.8)] + [rng.uniform(8.0, 9.0)]
-    rng.shuffle(timed)
-    warm = [rng.uniform(6.0, 8.0) for _ in range(warmup)]
-    return {"warmup": warmup, "iters": len(timed), "seconds": [round(m * f, 6) for f in warm + timed]}
+    m = rng.uniform(0.068, 0.075) if m is None else m
+    warmup = rng.randint(4, 5)
+    steps = [f * rng.uniform(0.97, 1.03) for f in (0.15, 0.5, 0.75, 1.0, 1.0, 3.1, 8.9)]
+    rng.shuffle(steps)
+    warm = [rng.uniform(3.25, 3.5) for _ in range(warmup)]
+    return {"warmup": warmup, "iters": len(steps), "seconds": [round(m * f, 6) for f in warm + steps]}
+
+
+# The familiar mistakes, in the words a failure names them
+MEAN = "that is the mean, which the one slow call pulls up; return the median"
+WITH_WARMUP = "that includes the warm-up calls, which are slow on purpose; time only the last `iters` calls"
+FASTEST = "that is the fastest call; the median is the typical one"
+SECONDS = "that looks like seconds; return milliseconds"
 
 
 @register
@@ -91,50 +101,61 @@ class MedianStepMs(Check):
     time_limit = 30.0
 
     def cases(self, rng: random.Random) -> list:
-        return [_timing_case(rng) for _ in range(2)]
+        # a short and a long step (at most 2.8 s in all), far enough apart that no single number passes as
+        # both medians, even with all the round trip credited (timed.TRANSIT_MS)
+        cases = [_timing_case(rng, rng.uniform(0.004, 0.006)), _timing_case(rng, rng.uniform(0.068, 0.075))]
+        rng.shuffle(cases)
+        return cases
 
     def public(self, case: dict) -> dict:
         return {"warmup": case["warmup"], "iters": case["iters"]}  # the durations stay here
 
     def host(self, case: dict, request: object) -> None:
-        """The probe's fn() asks for one call: sleep its duration, and record the call and what it took."""
+        """The probe's fn() asks for one call: sleep its duration, and record the call, what it took and when."""
         if request != {"call": "fn"}:
             raise CheckFailure(f"{self.name} answers only fn's calls, not {request!r}")
+        arrival = perf_counter()
         slept = case.setdefault("_slept_ms", [])  # one entry per call of fn, counted here, not in the kernel
         seconds = case["seconds"]
-        t0 = perf_counter()
         sleep(seconds[min(len(slept), len(seconds) - 1)])
-        slept.append(1000 * (perf_counter() - t0))
+        reply = perf_counter()
+        slept.append(1000 * (reply - arrival))
+        timed.record(case, "fn", arrival, reply)
 
     def describe(self, case: dict) -> str:
         return f"median_step_ms(fn, warmup={case['warmup']}, iters={case['iters']})"
 
     def judge(self, cases: list, results: list) -> None:
-        for case, r in zip(cases, expect_list(results, "median_step_ms's answers", len(cases))):
-            w, n, ms = case["warmup"], case["iters"], [1000 * s for s in case["seconds"]]
+        results = expect_list(results, "median_step_ms's answers", len(cases))
+        # the long case first: there every familiar mistake is furthest from the right answer
+        for case, r in sorted(zip(cases, results), key=lambda cr: -sum(cr[0]["seconds"])):
+            w, n = case["warmup"], case["iters"]
             call = self.describe(case)
             slept = case.get("_slept_ms", [])  # the grader's own record of fn's calls (host)
             if len(slept) != w + n:
                 raise CheckFailure(f"{call} called fn {len(slept)} times; expected warmup + iters = {w + n}")
             got = expect_number(expect_dict(r, call, ("ms",))["ms"], f"{call}, the number of ms it returned")
-            want = statistics.median(ms[w:])
-            # sleep() overshoots, by several ms on a busy machine (the grader runs two notebooks at once):
-            # the allowance above is 25% + 2.5 ms over what the timed calls really slept, as the grader
-            # measured them (each counted at most 5 ms over the asked-for time), 10% below
-            took = [min(max(a, b), b + 5.0) for a, b in zip(slept, ms, strict=True)]
-            real = statistics.median(took[w:])
-            if want * 0.9 <= got <= real * 1.25 + 2.5:
+            # each call as the kernel can have timed it: at least what the grader slept (late wake-ups on a
+            # busy machine included), at most that plus the round trip to the grader (see timed.py)
+            lo = list(slept)
+            windows = [timed.window_ms(case, k, k) for k in range(w + n)]
+            low, high = timed.bounds(lo[w:], windows[w:])
+            if low <= got <= high:
                 continue
-            # say which familiar mistake the answer is closest to, if it is close to one (from what the
-            # calls really took: a busy machine's late wake-ups would move them out of reach)
+            # which familiar mistake the answer is, if it is one (timed.nearest_mistake)
             mistakes = {
-                "that is the mean, which the one slow call pulls up; return the median": statistics.mean(took[w:]),
-                "that includes the warm-up calls, which are slow on purpose; time only the last `iters` "
-                "calls": statistics.median(took),
-                "that is the fastest call; the median is the typical one": min(took[w:]),
-                "that looks like seconds; return milliseconds": real / 1000,
+                MEAN: lambda v: statistics.mean(v[w:]),
+                WITH_WARMUP: statistics.median,
+                FASTEST: lambda v: min(v[w:]),
+                SECONDS: lambda v: statistics.median(v[w:]) / 1000,
             }
-            why, value = min(mistakes.items(), key=lambda kv: abs(got - kv[1]) / kv[1])
-            if abs(got - value) > 0.1 * value:
-                why = "the median of the timed calls is the number asked for"
-            raise CheckFailure(f"{call} returned {got!r} ms, but the median timed call took about {want:.1f} ms: {why}")
+            hi, likely = [timed.credited(a, b) for a, b in zip(lo, windows)], timed.likely(lo, windows)
+            spans = {k: (f(lo), f(likely), f(hi)) for k, f in mistakes.items()}
+            spans[SECONDS] = (spans[SECONDS][0] / 2, spans[SECONDS][1], spans[SECONDS][2] * 2)  # ms / 1000, roughly
+            why = timed.nearest_mistake(got, spans)
+            want = statistics.median(lo[w:])
+            most = f", at most {high:.1f} ms with the round trips to the grader" if got > high else ""
+            raise CheckFailure(
+                f"{call} returned {got!r} ms, but the median timed call took about {want:.1f} ms{most}: "
+                + (why or "the median of the timed calls is the number asked for")
+            )

@@ -16,10 +16,10 @@ from ..grading import Check, CheckFailure, expect_list, expect_numbers, register
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
-BY_HAND = ("torch", "numpy", "struct", "course_lib")
+BY_HAND = ("torch", "numpy", "struct", "array", "course_lib")
 BY_HAND_WHY = (
     "work it out with plain Python integers and floats (math.ldexp, >>, &), which is the point of "
-    "the task; the checker looks for calls into torch, numpy, struct and course_lib"
+    "the task; the grader reads your function, and what it uses, for torch, numpy, struct, array and course_lib"
 )
 
 _FP16_HINTS = {

@@ -34,8 +34,12 @@ class UpdateScale(Check):
         "case does to the scale and to the count of clean steps, and when the scale is rounded to float32. "
         "Chapter 03, section 3, explains each case and the three details that decide a bit-for-bit match."
     )
-    forbidden = ("torch.amp", "torch.cuda.amp", "course_lib")
-    forbidden_why = "implement the rule instead of running GradScaler (or course_lib's DynamicLossScaler)"
+    # torch._amp_update_scale_ is the op GradScaler.update() calls: the rule itself, in C++
+    forbidden = ("torch.amp", "torch.cuda.amp", "torch._amp_update_scale_", "course_lib")
+    forbidden_why = (
+        "implement the rule instead of running GradScaler, its op torch._amp_update_scale_ or course_lib's "
+        "DynamicLossScaler"
+    )
     time_limit = 30.0
 
     def cases(self, rng: random.Random) -> list:

@@ -13,6 +13,7 @@ from time import perf_counter, sleep  # bound now: a learner who patches time.sl
 
 from ...chapters.traces import FIXES, diagnose
 from ..grading import Check, CheckFailure, expect_dict, expect_list, expect_number, register
+from . import timed
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
@@ -129,25 +130,32 @@ class DiagnoseStep(Check):
 
 def _timing_case(rng: random.Random, m: float) -> dict:
     """Durations whose median, mean and quartiles differ clearly: timed calls in clusters around
-    0.7 m (the lower quartile), m (the median) and 1.4 m (the upper quartile), one at 0.5 m and one
-    slow outlier at 8 m; slow warm-up calls (5-7 m), as the first calls of a GPU step are."""
-    warmup = rng.randint(2, 4)
-    timed = [0.5, 0.7, 0.7, 0.7, 0.7, 1.0, 1.4, 1.4, 1.4, 1.4, 8.0]
-    timed = [f * rng.uniform(0.98, 1.02) for f in timed]
-    rng.shuffle(timed)
-    warm = [rng.uniform(5.0, 7.0) for _ in range(warmup)]
-    return {"warmup": warmup, "iters": len(timed), "seconds": [round(m * f, 6) for f in warm + timed]}
-
-
-def _close(got: float, asked: float, real: float) -> bool:
-    # a sleep overshoots (more on a busy machine), never undershoots: 15% + 4 ms above what the calls
-    # really took as the grader measured them, 10% below what they were asked to take
-    return asked * 0.9 - 0.5 <= got <= real * 1.15 + 4.0
+    0.7 m (four: the lower quartile), m (two: the median) and 2.85 m (three: the upper quartile), one at
+    0.5 m and one slow outlier at 8.7 m; 4-5 slow warm-up calls (~3 m), as the first calls of a GPU
+    step are. On the long case (m of 72-80 ms) the mean (2.05 m) and the median with the warm-ups
+    (2.85 m) lie further from m, and from each other, than a call's round trip to the grader can add
+    (timed.TRANSIT_MS), so each mistake is told apart. Past each quantile's call another call lies
+    close: one call slowed past any allowance does not fail a correct timer (timed.bounds)."""
+    warmup = rng.randint(4, 5)
+    steps = [0.5, 0.7, 0.7, 0.7, 0.7, 1.0, 1.0, 2.85, 2.85, 2.85, 8.7]
+    steps = [f * rng.uniform(0.98, 1.02) for f in steps]
+    rng.shuffle(steps)
+    warm = [rng.uniform(2.95, 3.15) for _ in range(warmup)]
+    return {"warmup": warmup, "iters": len(steps), "seconds": [round(m * f, 6) for f in warm + steps]}
 
 
 def _device(case: dict) -> dict:
-    """The grader's record of the fake device's use on one case (TimeIt.host writes it)."""
-    return case.setdefault("_device", {"log": "", "busy_until": 0.0, "launched": [], "ran_ms": []})
+    """The grader's record of the fake device's use on one case (TimeIt.host writes it): the order of
+    the calls ("f"/"s"); per fn call when it was queued, when its work was due to end, and once a sync
+    has waited for it how long it took from queued to done (ran_ms) and on the device (dev_ms)."""
+    return case.setdefault(
+        "_device", {"log": "", "busy_until": 0.0, "launched": [], "ends": [], "ran_ms": [], "dev_ms": []}
+    )
+
+
+MEAN = "that is the mean, which the one slow call pulls up; return the median"
+WITH_WARMUP = "that includes the slow warm-up calls; time only the last `iters` calls"
+SECONDS = "that looks like seconds; return milliseconds"
 
 
 @register
@@ -162,8 +170,9 @@ class TimeIt(Check):
     time_limit = 40.0
 
     def cases(self, rng: random.Random) -> list:
-        # a short and a long step, far enough apart that no single number passes as both medians
-        cases = [_timing_case(rng, rng.uniform(0.008, 0.011)), _timing_case(rng, rng.uniform(0.020, 0.026))]
+        # a short and a long step (at most 3.5 s in all), far enough apart that no single number passes as
+        # both medians, even with all the round trip credited (timed.TRANSIT_MS)
+        cases = [_timing_case(rng, rng.uniform(0.008, 0.011)), _timing_case(rng, rng.uniform(0.072, 0.080))]
         rng.shuffle(cases)
         return cases
 
@@ -173,15 +182,18 @@ class TimeIt(Check):
     def host(self, case: dict, request: object) -> None:
         """fn() queues one call's work on the fake device; sync() returns once everything queued has run.
 
-        Kept here, not in the kernel: the order of the calls ("f"/"s"), when each call was queued and,
-        when a sync has waited for it, how long it took from being queued to being done."""
+        Kept here, not in the kernel (`_device`), with when each ask arrived and was answered (timed.record)."""
         d = _device(case)
+        arrival = perf_counter()
         if request == {"call": "fn"}:
-            seconds, k, now = case["seconds"], d["log"].count("f"), perf_counter()
-            d["busy_until"] = max(now, d["busy_until"]) + seconds[min(k, len(seconds) - 1)]
-            d["launched"].append(now)
+            seconds, k = case["seconds"], d["log"].count("f")
+            d["busy_until"] = max(arrival, d["busy_until"]) + seconds[min(k, len(seconds) - 1)]
+            d["launched"].append(arrival)
+            d["ends"].append(d["busy_until"])
             d["ran_ms"].append(None)
+            d["dev_ms"].append(None)
             d["log"] += "f"
+            timed.record(case, "fn", arrival, perf_counter())
             return
         if request != {"call": "sync"}:
             raise CheckFailure(f"{self.name} answers only fn's and sync's calls, not {request!r}")
@@ -190,15 +202,38 @@ class TimeIt(Check):
         if wait > 0:
             sleep(wait)
         done = perf_counter()
+        late = done - d["busy_until"] if wait > 0 else 0.0  # a sleep that woke up late kept the device busy
         for k, queued in enumerate(d["launched"]):
             if d["ran_ms"][k] is None:
                 d["ran_ms"][k] = 1000 * (done - queued)
+                d["dev_ms"][k] = 1000 * (d["ends"][k] + late - queued)
+        timed.record(case, "sync", arrival, perf_counter())
 
     def describe(self, case: dict) -> str:
         return f"time_it(fn, sync, warmup={case['warmup']}, iters={case['iters']})"
 
+    def _calls(self, case: dict) -> tuple[list[float], list[float]]:
+        """(lo, windows) of the timed calls as the kernel can have timed them, from fn() to the end of its
+        sync(): at least each one's time on the device as the grader ran it, at most its window, from the
+        reply before its fn() to the next fn() (see timed.py)."""
+        w, d = case["warmup"], _device(case)
+        kinds = [a[0] for a in case.get("_asks", [])]
+        fns = [i for i, kind in enumerate(kinds) if kind == "fn"]
+        lo, windows = [], []
+        for k in range(w, len(d["dev_ms"])):
+            lo.append(d["dev_ms"][k])
+            if len(fns) != len(d["dev_ms"]):  # no record of the asks: nothing credited
+                windows.append(lo[-1])
+                continue
+            first = fns[k]
+            last = fns[k + 1] - 1 if k + 1 < len(fns) else len(kinds) - 1  # its sync(s), up to the next fn()
+            windows.append(timed.window_ms(case, first, last))
+        return lo, windows
+
     def judge(self, cases: list, results: list) -> None:
-        for case, r in zip(cases, expect_list(results, "time_it's answers", len(cases))):
+        results = expect_list(results, "time_it's answers", len(cases))
+        # the long case first: there every familiar mistake is furthest from the right answer
+        for case, r in sorted(zip(cases, results), key=lambda cr: -sum(cr[0]["seconds"])):
             w, n, call, device = case["warmup"], case["iters"], self.describe(case), _device(case)
             log = device["log"]  # what the grader saw, not what the kernel reports
             if log.count("f") != w + n:
@@ -225,31 +260,35 @@ class TimeIt(Check):
                 raise CheckFailure(f"{call} returned {got!r}; expected a dict with 'median_ms', 'q1_ms' and 'q3_ms'")
             for k in ("median_ms", "q1_ms", "q3_ms"):
                 expect_number(got[k], f"{call} returned {k}={got[k]!r}, which is not a number of ms")
-            ms = [1000 * s for s in case["seconds"][w:]]
-            # each timed call as the grader measured it, from queued to done, counted at most 5 ms over
-            # its duration (a helper that dawdles before sync() cannot stretch the reference)
-            real = [min(max(a, b), b + 5.0) for a, b in zip(device["ran_ms"][w:], ms, strict=True)]
-            q1, median, q3 = statistics.quantiles(ms, n=4, method="inclusive")
-            real_q1, real_median, real_q3 = statistics.quantiles(real, n=4, method="inclusive")
-            if not _close(got["median_ms"], median, real_median):
+            lo, windows = self._calls(case)
+            hi = [timed.credited(a, b) for a, b in zip(lo, windows)]
+            low, high = timed.bounds(lo, windows, 0.5)
+            if not low <= got["median_ms"] <= high:
                 value = got["median_ms"]
+                # which familiar mistake the answer is, if it is one (timed.nearest_mistake); a warm-up call
+                # timed on its own counted from what it was asked to take, with as much round trip
+                warm = [1000 * s for s in case["seconds"][:w]]
+                likely = timed.likely(lo, windows)
+                trip = statistics.median(b - a for a, b in zip(lo, likely)), timed.TRANSIT_MS
                 mistakes = {
-                    "that is the mean, which the one slow call pulls up; return the median": statistics.mean(ms),
-                    "that includes the slow warm-up calls; time only the last `iters` calls": statistics.median(
-                        1000 * s for s in case["seconds"]
+                    MEAN: (statistics.mean(lo), statistics.mean(likely), statistics.mean(hi)),
+                    WITH_WARMUP: tuple(
+                        statistics.median([x + extra for x in warm] + calls)
+                        for extra, calls in ((0.0, lo), (trip[0], likely), (trip[1], hi))
                     ),
+                    SECONDS: tuple(statistics.median(v) / 1000 * k for v, k in ((lo, 0.5), (likely, 1), (hi, 2))),
                 }
-                why, near = min(mistakes.items(), key=lambda kv: abs(value - kv[1]) / kv[1])
-                if median / 2000 <= value <= median / 500:
-                    why = "that looks like seconds; return milliseconds"
-                elif abs(value - near) > 0.3 * near:
-                    why = "the median of the timed calls is asked for"
+                why = timed.nearest_mistake(value, mistakes) or "the median of the timed calls is asked for"
+                want = statistics.median(lo)
+                most = f", at most {high:.1f} ms with the round trips to the grader" if value > high else ""
                 raise CheckFailure(
-                    f"{call} returned median_ms={value!r}, but the median timed call took about {median:.1f} ms: {why}"
+                    f"{call} returned median_ms={value!r}, but the median timed call took about {want:.1f} ms"
+                    f"{most}: {why}"
                 )
-            for key, want, real_want in (("q1_ms", q1, real_q1), ("q3_ms", q3, real_q3)):
-                if not _close(got[key], want, real_want):
+            for key, p in (("q1_ms", 0.25), ("q3_ms", 0.75)):
+                low, high = timed.bounds(lo, windows, p)
+                if not low <= got[key] <= high:
                     raise CheckFailure(
                         f"{call} returned {key}={got[key]!r}, but the {key[:2]} quartile of the timed "
-                        f"calls is about {want:.1f} ms"
+                        f"calls is about {statistics.quantiles(lo, n=4, method='inclusive')[int(4 * p) - 1]:.1f} ms"
                     )
