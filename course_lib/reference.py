@@ -7,7 +7,7 @@ provenance: device, torch, CUDA, cuDNN, Python, date and the exact command. Unti
 recorded, a chapter says once, in its own words, what the GPU run would show and how to record
 it (docs/gpu.md lists every command); each cell that would show a file then prints one line.
 
-    show_reference("bench_*.json", lambda ref: format_table(ref["rows"]))
+    show_reference("bench_*.json", lambda ref: format_precision_table(ref["rows"]))
 """
 
 from __future__ import annotations

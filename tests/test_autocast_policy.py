@@ -196,7 +196,7 @@ def test_memory_rows_and_cli(tmp_path, capsys):
     # fp32 step saves as the input itself (existing memory): three layers, 4 casts against 3 outputs
     assert abs(rows[0]["activations_low"] / rows[0]["activations_fp32"] - 4 / 6) < 0.02
     assert rows[0]["weight_copies_low"] > 0 and rows[0]["existing_fp32"] > 0
-    assert ad.format_memory_rows(rows).splitlines()[1].split()[-2:] == ["-", "-"]  # no peaks off CUDA
+    assert ad.format_mlp_memory_rows(rows).splitlines()[1].split()[-2:] == ["-", "-"]  # no peaks off CUDA
     out = tmp_path / "mem.json"
     assert ad.main(["--device", "cpu", "--width", "64", "--json", str(out)]) == 0
     assert "activations fp32" in capsys.readouterr().out
@@ -281,24 +281,24 @@ def test_cli_prints_tables_and_writes_json(tmp_path, capsys):
 
 
 def test_the_memory_reading_follows_the_numbers_and_flags_rows_that_disagree():
-    from course_lib.chapters.autocast_dtypes import read_memory_rows
+    from course_lib.chapters.autocast_dtypes import read_mlp_memory_rows
 
     # the H100 MLP: autocast saves 8 MiB of activations and adds 64 MiB of weight copies
     mlp = {"dtype": "bf16", "activations_fp32": 24.0, "activations_low": 16.0, "weight_copies_low": 64.0,
            "peak_fp32": 465.4, "peak_low": 489.4}
-    text = " ".join(read_memory_rows([mlp], largest_weight_mib=64.0).split())
+    text = " ".join(read_mlp_memory_rows([mlp], largest_weight_mib=64.0).split())
     assert "spared 8.0 MiB of activations" in text and "added 64.0 MiB of 16-bit weight copies" in text
     assert "keeps 56.0 MiB more" in text and "from 465.4 to 489.4 MiB (+24.0 MiB)" in text
     assert "32 MiB 16-bit gradient" in text
     heavy = {**mlp, "activations_fp32": 800.0, "activations_low": 400.0, "peak_low": 300.0}
-    text = " ".join(read_memory_rows([heavy], largest_weight_mib=64.0).split())
+    text = " ".join(read_mlp_memory_rows([heavy], largest_weight_mib=64.0).split())
     assert "keeps 336.0 MiB less" in text and "(-165.4 MiB)" in text and "gradient" not in text
     recorded_before_kinds = {"dtype": "fp16", "peak_fp32": 465.4, "peak_low": 489.4}
     expected = "fp16: The step's peak went from 465.4 to 489.4 MiB (+24.0 MiB)."
-    assert read_memory_rows([recorded_before_kinds]) == expected
+    assert read_mlp_memory_rows([recorded_before_kinds]) == expected
     cpu = {**mlp, "peak_fp32": None, "peak_low": None}
-    assert "peak" not in read_memory_rows([cpu])
-    text = read_memory_rows([mlp, {**mlp, "dtype": "fp16", "peak_fp32": 794.0, "peak_low": 898.0}])
+    assert "peak" not in read_mlp_memory_rows([cpu])
+    text = read_mlp_memory_rows([mlp, {**mlp, "dtype": "fp16", "peak_fp32": 794.0, "peak_low": 898.0}])
     assert "differ (465 to 794 MiB)" in " ".join(text.split())  # the same fp32 step, measured twice: one count is off
     assert all(len(line) <= 100 for line in text.splitlines())
 

@@ -23,30 +23,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from checking import fails, passes, verdict
 
 from course_lib.chapters import format_limits as FL
 from course_lib.chapters import formats as F
 from course_lib.chapters.autocast_dtypes import module_dtypes
-from course_lib.tooling.grading import checks_for, run_check
+from course_lib.tooling.grading import checks_for
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def verdict(name: str, obj, seed: int | None = None, *more) -> tuple[str, str]:
-    status, message, _ = run_check(name, obj, *more, rng=random.Random(seed) if seed is not None else None)
-    return status, message
-
-
-def passes(name: str, obj, *more, times: int = 3) -> None:
-    for _ in range(times):  # fresh random inputs each time: the check must never reject a right answer
-        status, message = verdict(name, obj, None, *more)
-        assert status == "passed", message
-
-
-def fails(name: str, obj, *more, seed: int | None = None) -> str:
-    status, message = verdict(name, obj, seed, *more)
-    assert status == "failed", f"{name} accepted a wrong answer: {message}"
-    return message
 
 
 def notebook_function(source: str, name: str, **names) -> object:
@@ -342,7 +326,7 @@ def test_find_fp32_islands_accepts_the_reference_and_rejects_wrong_answers():
 
 
 def test_find_fp32_islands_defeats_a_rule_that_never_runs_autocast():
-    rejected = sum(verdict("02.find_fp32_islands", structural_rule, seed)[0] == "failed" for seed in range(10))
+    rejected = sum(verdict("02.find_fp32_islands", structural_rule, seed=seed)[0] == "failed" for seed in range(10))
     assert rejected >= 9, f"the structural rule passed {10 - rejected} of 10 fresh checks"
 
 

@@ -3,16 +3,18 @@
 The check runs exactly as the grader judges it (course_lib.tooling.grading.run_check): cases
 and the large-batch reference in this process, the learner's results through JSON. Loops that
 stand for notebook code are defined in a module named __main__, as a notebook cell defines them,
-so that the shortcut detector sees them.
+so that the shortcut detector sees them. Wrong loops are judged on the cases of seed 0, so that
+each one meets the same cases (the overflowing one among them) on every run.
 """
 from __future__ import annotations
 
 import random
 
 import pytest
+from checking import fails, passes, verdict
 
 from course_lib.chapters.accumulation import accumulation_step
-from course_lib.tooling.grading import checks_for, run_check
+from course_lib.tooling.grading import checks_for
 
 NAME = "04.accumulate"
 HEADER = """
@@ -40,21 +42,8 @@ def notebook_function(source: str, **names) -> object:
     return namespace["accumulate"]
 
 
-def verdict(fn, seed: int | None = None) -> tuple[str, str]:
-    status, message, _ = run_check(NAME, fn, rng=random.Random(seed) if seed is not None else None)
-    return status, message
-
-
-def fails(fn, seed: int | None = 0) -> str:
-    status, message = verdict(fn, seed)
-    assert status == "failed", f"{NAME} accepted a wrong loop: {message}"
-    return message
-
-
 def test_the_right_loop_passes_on_fresh_cases():
-    for _ in range(3):
-        status, message = verdict(notebook_function(RIGHT))
-        assert status == "passed", message
+    passes(NAME, notebook_function(RIGHT), times=3)
 
 
 def test_other_right_loops_pass_too():
@@ -72,7 +61,7 @@ def test_other_right_loops_pass_too():
     scaler.update()
     optimizer.zero_grad()
 """
-    status, message = verdict(notebook_function(summed), seed=1)
+    status, message = verdict(NAME, notebook_function(summed), seed=1)
     assert status == "passed", message
 
 
@@ -110,7 +99,7 @@ WRONG = {
 def test_plausible_mistakes_fail_with_a_message_that_names_them(mistake):
     old, new, says = WRONG[mistake]
     assert old in RIGHT
-    message = fails(notebook_function(RIGHT.replace(old, new)))
+    message = fails(NAME, notebook_function(RIGHT.replace(old, new)), seed=0)
     assert says in message, message
 
 
@@ -121,14 +110,14 @@ def test_a_hard_coded_answer_fails():
     for x, y in fixed:
 """)
     assert fixed != RIGHT
-    assert "differ from the large batch's" in fails(notebook_function(fixed))
+    assert "differ from the large batch's" in fails(NAME, notebook_function(fixed), seed=0)
 
 
 def test_the_ragged_cases_alone_catch_the_mean_of_means():
     # even a bf16 case, where the tolerance is widest, tells the mean of means apart
     old, new, _ = WRONG["mean of means on ragged micro-batches"]
     wrong = notebook_function(RIGHT.replace(old, new))
-    rejected = sum(verdict(wrong, seed)[0] == "failed" for seed in range(5))
+    rejected = sum(verdict(NAME, wrong, seed=seed)[0] == "failed" for seed in range(5))
     assert rejected == 5
 
 
@@ -136,13 +125,13 @@ def test_calling_the_chapters_loop_is_refused():
     shortcut = notebook_function("def accumulate(model, optimizer, scaler, micro_batches, loss_fn, dtype):\n"
                                  "    accumulation_step(model, optimizer, scaler, micro_batches, loss_fn, dtype)\n",
                                  accumulation_step=accumulation_step)
-    message = fails(shortcut)
+    message = fails(NAME, shortcut, seed=0)
     assert "which this task asks you not to use" in message and "write the loop yourself" in message
 
 
 def test_the_library_loop_itself_is_right():
     # what the chapter teaches passes, when it is not called from the learner's own code
-    status, message = verdict(lambda m, o, s, mb, fn, dt: accumulation_step(m, o, s, mb, fn, dt), seed=2)
+    status, message = verdict(NAME, lambda m, o, s, mb, fn, dt: accumulation_step(m, o, s, mb, fn, dt), seed=2)
     assert status == "passed", message
 
 
@@ -167,7 +156,7 @@ CONCATENATED = HEADER + """
 
 def test_one_pass_over_the_concatenated_micro_batches_fails():
     # its gradient is the large batch's, exactly: only the forwards it runs tell it from accumulation
-    message = fails(notebook_function(CONCATENATED))
+    message = fails(NAME, notebook_function(CONCATENATED), seed=0)
     assert "one forward per micro-batch" in message and "concatenated" in message, message
 
 
@@ -183,7 +172,7 @@ def test_one_backward_of_the_summed_losses_fails():
     scaler.step(optimizer)
     scaler.update()
 """
-    message = fails(notebook_function(summed))
+    message = fails(NAME, notebook_function(summed), seed=0)
     assert "backward ran 1 time(s)" in message, message
 
 
@@ -194,7 +183,7 @@ UNSCALE_THEN_STEP = RIGHT.replace("    scaler.step(optimizer)\n",
 def test_unscale_then_optimizer_step_fails_on_the_overflowing_case():
     # right on every case whose gradients are finite; on the overflowing one it applies infs
     assert UNSCALE_THEN_STEP != RIGHT
-    message = fails(notebook_function(UNSCALE_THEN_STEP))
+    message = fails(NAME, notebook_function(UNSCALE_THEN_STEP), seed=0)
     assert "overflowed" in message and "scaler.step(optimizer)" in message, message
 
 
@@ -212,7 +201,7 @@ def test_the_overflowing_case_makes_the_right_loop_skip_its_step_and_back_off():
 def test_backward_inside_autocast_fails():
     inside = RIGHT.replace("        scaler.scale(loss).backward()\n", "            scaler.scale(loss).backward()\n")
     assert inside != RIGHT
-    message = fails(notebook_function(inside))
+    message = fails(NAME, notebook_function(inside), seed=0)
     assert "backward passes ran with autocast on" in message, message
 
 
@@ -227,7 +216,7 @@ def test_step_and_update_inside_autocast_fail():
         scaler.step(optimizer)
         scaler.update()
 """
-    message = fails(notebook_function(inside))
+    message = fails(NAME, notebook_function(inside), seed=0)
     assert "the optimizer step ran with autocast on" in message, message
 
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from checking import passes, verdict
 
 from course_lib.chapters import article_two_models, multi
-from course_lib.tooling.grading import checks_for, run_check
+from course_lib.tooling.grading import checks_for
 
 NAME = "05.fix_two_models"
 
@@ -85,24 +86,17 @@ def notebook_function(source: str, **names) -> object:
     return namespace["train_two_models"]
 
 
-def verdict(fn, seed: int | None = None) -> tuple[str, str]:
-    status, message, _ = run_check(NAME, fn, rng=random.Random(seed) if seed is not None else None)
-    return status, message
-
-
 pytestmark = pytest.mark.skipif(not multi.cpu_fp16_scaler_works(), reason="needs CPU fp16 autocast + GradScaler")
 
 
 def test_the_fixed_loop_passes_on_fresh_cases():
-    for _ in range(2):
-        status, message = verdict(notebook_function(FIXED))
-        assert status == "passed", message
+    passes(NAME, notebook_function(FIXED), times=2)
 
 
 def test_one_backward_of_the_summed_losses_is_also_right():
     summed = FIXED.replace("scaler.scale(loss0).backward(retain_graph=True)\n        scaler.scale(loss1).backward()",
                            "scaler.scale(loss0 + loss1).backward()")
-    status, message = verdict(notebook_function(summed))
+    status, message = verdict(NAME, notebook_function(summed))
     assert status == "passed", message
 
 
@@ -110,13 +104,13 @@ def test_one_backward_of_the_summed_losses_is_also_right():
 def test_each_planted_mistake_alone_fails_with_a_message_that_names_it(mistake):
     old, new, phrase = MISTAKES[mistake]
     assert old in FIXED
-    status, message = verdict(notebook_function(FIXED.replace(old, new, 1)), seed=1)
+    status, message = verdict(NAME, notebook_function(FIXED.replace(old, new, 1)), seed=1)
     assert status == "failed", f"{mistake} was accepted"
     assert phrase in message, message
 
 
 def test_the_exercises_broken_loop_fails():
-    status, message = verdict(notebook_function(BROKEN))
+    status, message = verdict(NAME, notebook_function(BROKEN))
     assert status == "failed" and "retain_graph" in message
 
 
@@ -129,13 +123,13 @@ def test_a_hard_coded_answer_fails():
             for p in [*model0.parameters(), *model1.parameters()]:
                 p.fill_(0.01)
 
-    assert "ran 0 times" in verdict(nothing)[1]
+    assert "ran 0 times" in verdict(NAME, nothing)[1]
     replayed = FIXED.replace("        scaler.update()\n", "        scaler.update()\n    " + "\n".join(
         ["with torch.no_grad():", "        for p in [*model0.parameters(), *model1.parameters()]:",
          "            p.fill_(0.01)"]).replace("\n", "\n    ") + "\n")
-    status, message = verdict(notebook_function(replayed))
+    status, message = verdict(NAME, notebook_function(replayed))
     assert status == "failed" and "differ from a correct loop" in message
-    assert verdict(constant)[0] == "failed"
+    assert verdict(NAME, constant)[0] == "failed"
 
 
 def test_calling_the_chapters_loop_is_refused():
@@ -152,7 +146,7 @@ def train_two_models(model0, model1, opt0, opt1, scaler, batches, max_norm, dtyp
     for x, y in batches:
         article_two_models.two_model_step(model0, model1, opt0, opt1, scaler, x, y, Mode(dtype), max_norm)
 ''', article_two_models=article_two_models)
-    status, message = verdict(shortcut)
+    status, message = verdict(NAME, shortcut)
     assert status == "failed", message
     assert "course_lib.chapters.article_two_models.two_model_step" in message
     assert "fix the loop yourself" in message
@@ -166,7 +160,7 @@ def train_two_models(model0, model1, opt0, opt1, scaler, batches, max_norm, dtyp
         with mode.autocast():
             pass
 ''', multi=multi)
-    status, message = verdict(shortcut)
+    status, message = verdict(NAME, shortcut)
     assert status == "failed" and "course_lib.chapters.multi" in message
 
 
@@ -227,7 +221,7 @@ def train_two_models(model0, model1, opt0, opt1, scaler, batches, max_norm, dtyp
 def test_a_loop_that_runs_everything_inside_autocast_fails():
     # the same calls in the same order as FIXED, and (nearly) the same parameters: only the autocast
     # state of each call tells them apart
-    message = verdict(notebook_function(ALL_INSIDE), seed=2)[1]
+    message = verdict(NAME, notebook_function(ALL_INSIDE), seed=2)[1]
     assert "ran with autocast on" in message, message
     for name in ("backward()", "scaler.unscale_()", "clip_grad_norm_()", "scaler.step()", "scaler.update()"):
         assert name in message, message
@@ -245,7 +239,7 @@ def test_one_call_inside_autocast_is_enough_to_fail(what):
                                                           "            scaler.update()")
         name = "scaler.update()"
     assert wrong != FIXED
-    status, message = verdict(notebook_function(wrong), seed=4)
+    status, message = verdict(NAME, notebook_function(wrong), seed=4)
     assert status == "failed" and "ran with autocast on" in message and name in message, message
 
 

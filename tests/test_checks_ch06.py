@@ -13,29 +13,11 @@ import statistics
 import time
 
 import pytest
+from checking import fails, passes, verdict
 from test_checks import passes_in_a_separate_kernel, separate_kernel  # the kernel in another process
 
-from course_lib.chapters.traces import diagnose
+from course_lib.chapters.traces import diagnose_trace
 from course_lib.tooling.checks import ch06
-from course_lib.tooling.grading import run_check
-
-
-def verdict(name: str, obj, seed: int | None = None) -> tuple[str, str]:
-    status, message, _ = run_check(name, obj, rng=random.Random(seed) if seed is not None else None)
-    return status, message
-
-
-def passes(name: str, obj, times: int = 2) -> None:
-    for _ in range(times):  # fresh random inputs each time: the check must never reject a right answer
-        status, message = verdict(name, obj)
-        assert status == "passed", message
-
-
-def fails(name: str, obj, seed: int | None = None) -> str:
-    status, message = verdict(name, obj, seed)
-    assert status == "failed", f"{name} accepted a wrong answer: {message}"
-    return message
-
 
 # --------------------------------------------------------------------------- task 1: the bottleneck
 
@@ -61,12 +43,12 @@ def test_every_scenario_is_drawn_and_far_from_the_thresholds():
             step, busy = p["step_ms"], sum(r["device_ms"] for r in p["ops"])
             assert _data(p) / step > 0.4 or _data(p) / step < 0.1
             assert busy / step > 0.75 or busy / step < 0.4
-            got = diagnose(p)
+            got = diagnose_trace(p)
             assert (got[0] if kind in ("data", "overhead") else got[1]) == want
 
 
 def test_diagnose_step_accepts_the_three_questions():
-    passes("06.diagnose_step", diagnose_step)
+    passes("06.diagnose_step", diagnose_step, times=2)
     passes("06.diagnose_step", lambda p: list(diagnose_step(p)), times=1)  # a list is a pair too
 
 
@@ -111,7 +93,7 @@ def test_diagnose_step_rejects_reading_the_wrong_row_or_the_wrong_dtype():
 
     for wrong in (busiest_cpu_row, any_fp32_op, always_amp):
         assert "expected ('compute', 'fewer_flops')" in fails("06.diagnose_step", wrong)
-    statuses = {verdict("06.diagnose_step", bf16_only, seed)[0] for seed in range(6)}
+    statuses = {verdict("06.diagnose_step", bf16_only, seed=seed)[0] for seed in range(6)}
     assert "failed" in statuses  # fp16 profiles are drawn too
 
 
@@ -125,7 +107,7 @@ def test_diagnose_step_names_the_library_shortcut():
 
     from course_lib.chapters import traces
     namespace = {"__name__": "__main__", "traces": traces}
-    exec("def shortcut(p):\n    return traces.diagnose(p)\n", namespace)
+    exec("def shortcut(p):\n    return traces.diagnose_trace(p)\n", namespace)
     msg = fails("06.diagnose_step", namespace["shortcut"])
     assert "course_lib.chapters.traces.diagnose" in msg and isinstance(namespace["shortcut"], types.FunctionType)
 

@@ -19,23 +19,13 @@ import sys
 
 import pytest
 import torch
+from checking import fails, verdict
 from torch.utils.data import DataLoader, TensorDataset
 
 from course_lib.tooling.checks import ch07
-from course_lib.tooling.grading import CheckFailure, checks_for, run_check
+from course_lib.tooling.grading import CheckFailure, checks_for
 
 NAME = "07.loader_settings"
-
-
-def verdict(fn, seed=None) -> tuple[str, str]:
-    status, message, _ = run_check(NAME, fn, rng=random.Random(seed) if seed is not None else None)
-    return status, message
-
-
-def fails(fn, seed=None) -> str:
-    status, message = verdict(fn, seed)
-    assert status == "failed", f"accepted a wrong answer: {message}"
-    return message
 
 
 def good(batch_size, load_ms, step_ms, cpus):
@@ -44,12 +34,12 @@ def good(batch_size, load_ms, step_ms, cpus):
 
 
 def test_good_settings_pass():
-    status, message = verdict(good)
+    status, message = verdict(NAME, good)
     assert status == "passed", message
 
 
 def test_loading_in_the_training_process_fails():
-    msg = fails(lambda batch_size, load_ms, step_ms, cpus: {"batch_size": batch_size})
+    msg = fails(NAME, lambda batch_size, load_ms, step_ms, cpus: {"batch_size": batch_size})
     assert "returned num_workers=0 (the default: loading in the training process)" in msg
 
 
@@ -98,7 +88,7 @@ def four_at_most(batch_size, load_ms, step_ms, cpus):
 @pytest.mark.parametrize("wrong", [always_8, four_per_gpu, all_the_cores, rates_without_the_cores, four_at_most],
                          ids=lambda f: f.__name__)
 def test_worker_counts_that_ignore_the_machine_fail(wrong):
-    msg = fails(wrong, seed=0)
+    msg = fails(NAME, wrong, seed=0)
     assert "returned num_workers=" in msg and "not from a constant" in msg, msg
     assert "waited for data" not in msg  # caught before anything is measured
 
@@ -133,27 +123,28 @@ def test_the_rule_of_the_chapter_is_within_the_range_on_every_machine():
     ({"num_workers": 0, "persistent_workers": True}, "persistent_workers option needs num_workers > 0"),
 ])
 def test_invalid_settings_fail_with_a_clear_message(settings, expected):
-    msg = fails(lambda batch_size, load_ms, step_ms, cpus: {"batch_size": batch_size, **settings})
+    msg = fails(NAME, lambda batch_size, load_ms, step_ms, cpus: {"batch_size": batch_size, **settings})
     assert expected in msg
 
 
 def test_a_missing_or_wrong_batch_size_fails():
-    assert "no batch_size" in fails(lambda batch_size, load_ms, step_ms, cpus: {"num_workers": 2})
-    msg = fails(lambda batch_size, load_ms, step_ms, cpus: {"batch_size": batch_size + 1, "num_workers": 2})
+    assert "no batch_size" in fails(NAME, lambda batch_size, load_ms, step_ms, cpus: {"num_workers": 2})
+    msg = fails(NAME, lambda batch_size, load_ms, step_ms, cpus: {"batch_size": batch_size + 1, "num_workers": 2})
     assert "the model's batch size is fixed" in msg
 
 
 def test_a_hard_coded_dict_fails_because_the_batch_size_is_drawn_fresh():
+    hard_coded = {"batch_size": 32, "num_workers": 2}
     for seed in range(3):
-        assert "batch_size=" in fails(lambda batch_size, load_ms, step_ms, cpus: {"batch_size": 32, "num_workers": 2},
-                                      seed=seed)
+        assert "batch_size=" in fails(NAME, lambda batch_size, load_ms, step_ms, cpus: hard_coded, seed=seed)
 
 
 def test_answers_that_are_not_settings_fail():
-    assert "expected a dict of DataLoader keyword arguments" in fails(lambda batch_size, load_ms, step_ms, cpus: 2)
-    assert "expected a dict" in fails(lambda batch_size, load_ms, step_ms, cpus: [("num_workers", 2)])
+    msg = fails(NAME, lambda batch_size, load_ms, step_ms, cpus: 2)
+    assert "expected a dict of DataLoader keyword arguments" in msg
+    assert "expected a dict" in fails(NAME, lambda batch_size, load_ms, step_ms, cpus: [("num_workers", 2)])
     loader = DataLoader(TensorDataset(), batch_size=4)
-    assert "DataLoader object" in fails(lambda batch_size, load_ms, step_ms, cpus: loader)
+    assert "DataLoader object" in fails(NAME, lambda batch_size, load_ms, step_ms, cpus: loader)
 
 
 def test_the_cases_are_plain_numbers_for_this_machine_and_described_ones():

@@ -20,10 +20,11 @@ import textwrap
 
 import pytest
 import torch
+from checking import verdict
 
 from course_lib.tooling import probes
 from course_lib.tooling.checks import ch08
-from course_lib.tooling.grading import CheckFailure, get_check, run_check
+from course_lib.tooling.grading import CheckFailure, get_check
 from course_lib.tooling.probes.ch08 import HEADER
 
 SOLUTION = '''
@@ -110,11 +111,6 @@ def load(source: str, tmp_path, name: str = "answer"):
     return module.ddp_train
 
 
-def verdict(fn) -> tuple[str, str]:
-    status, message, _ = run_check("08.ddp_train", fn)
-    return status, message
-
-
 # --------------------------------------------------------------------------- real launches
 
 @pytest.fixture(scope="module")
@@ -145,25 +141,25 @@ def test_a_wrong_answer_fails_with_a_message_that_says_why(source, expected, tmp
     # a fixed draw, so that the fp16 run's number of steps in the message is known
     real_cases = ch08.DDPTrain.cases
     monkeypatch.setattr(ch08.DDPTrain, "cases", lambda self, rng: real_cases(self, random.Random(0)))
-    status, message = verdict(load(source, tmp_path))
+    status, message = verdict("08.ddp_train", load(source, tmp_path))
     assert status == "failed" and expected in message, message
 
 
 def test_a_rank_that_raises_is_named_in_the_message(tmp_path):
-    status, message = verdict(load(RAISES_ON_RANK_1, tmp_path))
+    status, message = verdict("08.ddp_train", load(RAISES_ON_RANK_1, tmp_path))
     assert status == "failed"
     assert "raised DDPRunError: rank 1 failed first: ValueError: rank 1 has no data" in message, message
 
 
 def test_the_untouched_exercise_is_not_attempted_without_starting_anything(tmp_path):
-    status, message = verdict(load(STUB, tmp_path))
+    status, message = verdict("08.ddp_train", load(STUB, tmp_path))
     assert status == "not attempted", message
 
 
 def test_a_function_without_readable_source_fails_clearly():
     namespace = {"torch": torch}
     exec(textwrap.dedent(HARD_CODED), namespace)  # no file behind it: inspect.getsource cannot read it
-    status, message = verdict(namespace["ddp_train"])
+    status, message = verdict("08.ddp_train", namespace["ddp_train"])
     assert status == "failed" and "cannot be read" in message, message
 
 

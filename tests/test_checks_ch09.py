@@ -12,22 +12,11 @@ import math
 import random
 
 import pytest
+from checking import fails, verdict
 
 from course_lib.chapters import speedup
 from course_lib.tooling.checks import ch07, ch09
-from course_lib.tooling.grading import CheckFailure, checks_for, run_check
-
-
-def verdict(name: str, fn, seed: int | None = None) -> tuple[str, str]:
-    status, message, _ = run_check(name, fn, rng=random.Random(seed) if seed is not None else None)
-    return status, message
-
-
-def fails(name: str, fn, seed: int | None = None) -> str:
-    status, message = verdict(name, fn, seed)
-    assert status == "failed", f"{name} accepted a wrong answer: {message}"
-    return message
-
+from course_lib.tooling.grading import CheckFailure, checks_for
 
 # --------------------------------------------------------------------------- 09.speed_up
 

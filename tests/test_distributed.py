@@ -3,9 +3,11 @@
 Four real launches (each starts torchrun and two ranks, 10-30 s on a 2-core machine): a run that
 works and whose outputs check out, a rank that raises (named, nothing left behind), a rank that
 hangs (stopped by the timeout, nothing left behind), a rank that dies while exiting after its work
-(said so). One worker in a subprocess checks its teardown: no process-group thread outlives it. The
-rest is fast: the command lines, the one-process reference and the sampler orders it relies on, the
-formatting. tools/stress_ddp.py runs the notebook's launch 100 times with a core kept busy.
+(said so). One worker in a subprocess checks its teardown: no process-group thread outlives it; another
+runs `train` alone (plain DDP, the function the chapter prints) and with the instruments, which must only
+watch: the same parameters. The rest is fast: the command lines, the one-process reference and the
+sampler orders it relies on, the formatting. tools/stress_ddp.py runs the notebook's launch 100 times
+with a core kept busy.
 """
 from __future__ import annotations
 
@@ -30,9 +32,10 @@ from course_lib.chapters import ddp_launch as L
 from course_lib.chapters import distributed as D
 from course_lib.chapters.ddp_launch import DDPRun, DDPRunError, DDPTimeout, launch, torchrun_command
 from course_lib.chapters.distributed import (
+    AutocastForward,
     format_timing_reference,
+    max_rel_diff,
     reference_train,
-    rel_diff,
     training_state_bytes,
 )
 from course_lib.data import load_dataset
@@ -118,7 +121,7 @@ def test_ddp_gradient_is_the_large_batch_gradient(good_run):
     model = MLP(hidden=cfg["hidden"], depth=1)
     model.load_state_dict(good_run.load("init.pt"))
     F.cross_entropy(model(x[first]), y[first]).backward()
-    assert rel_diff(g0, {n: p.grad for n, p in model.named_parameters()}) < 1e-5
+    assert max_rel_diff(g0, {n: p.grad for n, p in model.named_parameters()}) < 1e-5
 
 
 def test_the_samplers_split_every_epoch_and_reshuffle(good_run):
@@ -135,7 +138,10 @@ def test_no_sync_means_one_allreduce_per_optimizer_step_and_rank0_alone_logs_and
     assert s["steps"] == 32 and s["allreduce_calls"] == s["steps"]  # accum 2: the first backward is under no_sync
     assert "] step  32/32" in good_run.logs[0]["stdout"] and "] step " not in good_run.logs[1]["stdout"]
     ckpt = torch.load(good_run.out / "checkpoint.pt", map_location="cpu", weights_only=False)
-    assert ckpt["step_count"] == 32 and next(iter(ckpt["model"])).startswith("module.")
+    assert set(ckpt) == {"model", "optimizer", "scaler"} and all(k.startswith("module.") for k in ckpt["model"])
+    p0 = good_run.load("params_rank0.pt")
+    assert all(torch.equal(ckpt["model"]["module." + k], p0[k]) for k in p0)
+    assert "checkpoint.pt was written by rank 0 alone" not in good_run.logs[1]["stdout"]
     assert not list(good_run.out.glob("*.tmp"))
 
 
@@ -144,8 +150,8 @@ def test_fsdp2_shards_every_parameter_and_matches_ddp(good_run):
     for r in fsdp.values():
         assert 2 * r["held"] == r["total"]
         assert all(local[0] * 2 == full[0] for local, full in r["shapes"].values())
-    assert fsdp["fp32"]["rel_diff_vs_ddp"] < 1e-5 and fsdp["fp32"]["grad_dtype"] == "float32"
-    assert fsdp["bf16"]["logits_dtype"] == "bfloat16" and fsdp["bf16"]["rel_diff_vs_ddp"] < 0.05
+    assert fsdp["fp32"]["max_rel_diff_vs_ddp"] < 1e-5 and fsdp["fp32"]["grad_dtype"] == "float32"
+    assert fsdp["bf16"]["logits_dtype"] == "bfloat16" and fsdp["bf16"]["max_rel_diff_vs_ddp"] < 0.05
 
 
 def test_a_rank_that_raises_is_named_and_nothing_is_left(tmp_path):
@@ -196,6 +202,44 @@ def test_the_worker_leaves_no_process_group_thread_running_at_exit(tmp_path):
                            "64", "--epochs", "1"], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "] done" in proc.stdout and "left: []" in proc.stdout, proc.stdout[-500:] + proc.stderr[-3000:]
+
+
+def test_train_shows_ddp_whole_in_one_short_function():
+    """Chapter 08 prints ddp_worker.train in a cell: every piece of DDP in it, in order, and nothing else."""
+    import inspect
+
+    from course_lib.chapters.ddp_worker import train
+
+    source = inspect.getsource(train)
+    assert len(source.splitlines()) <= 60, "the chapter prints train whole: keep it short"
+    steps = ["LOCAL_RANK", "set_device(", "init_process_group(", "try:", "DDP(model", "DistributedSampler(",
+             "GradScaler(device.type, enabled=dtype == torch.float16)", "set_epoch(epoch)", "amp_step(ddp",
+             "if rank == 0:", "torch.save(", "dist.barrier()", "finally:", "destroy_process_group()"]
+    at = [source.find(step) for step in steps]
+    assert -1 not in at and at == sorted(at), dict(zip(steps, at))
+    assert not any(word in source for word in ("print(", "checksum", "json", "fsdp", "all_gather"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="threads are listed from /proc (Linux)")
+def test_the_instruments_only_watch_train_alone_trains_the_same_parameters(tmp_path):
+    """train with the default Hooks() (plain DDP) and with main's Instruments, in a 1-rank group each: the same
+    checkpoint, and without the instruments nothing else is written or printed."""
+    plain, watched = tmp_path / "plain", tmp_path / "watched"
+    code = ("import sys; from course_lib.chapters import ddp_worker as w; a, b, *rest = sys.argv[1:]; "
+            "w.train(w.parse_args([a, *rest])); print('plain done'); w.main([b, *rest])")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "0", "OMP_NUM_THREADS": "1"}
+    plain.mkdir()
+    proc = subprocess.run([sys.executable, "-c", code, str(plain), str(watched), "--backend", "gloo",
+                           "--train-size", "96", "--epochs", "2", "--log-every", "2"],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("plain done\n") and "] done: 6 optimizer steps" in proc.stdout, proc.stdout
+    assert sorted(p.name for p in plain.iterdir()) == ["checkpoint.pt"]
+    a, b = (torch.load(d / "checkpoint.pt", weights_only=False) for d in (plain, watched))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    momenta = [(a["optimizer"]["state"][i], b["optimizer"]["state"][i]) for i in a["optimizer"]["state"]]
+    assert momenta and all(torch.equal(m["momentum_buffer"], n["momentum_buffer"]) for m, n in momenta)
 
 
 # --------------------------------------------------------------------------- command lines and environment
@@ -301,15 +345,17 @@ def test_reference_train_is_what_ddp_computes_in_fp32():
     emulated = _emulated_ddp(model, x, y, 2, 6, 2, 0.1, 5)
     start = dict(model.named_parameters())
     assert len(losses) == 8
-    assert rel_diff(dict(ref.named_parameters()), dict(emulated.named_parameters()), start=start) < 1e-5
+    assert max_rel_diff(dict(ref.named_parameters()), dict(emulated.named_parameters()), start=start) < 1e-5
     wrong, _ = reference_train(model, x, y, world_size=2, batch_size=6, epochs=2, lr=0.1, seed=5, set_epoch=False)
-    assert rel_diff(dict(wrong.named_parameters()), dict(emulated.named_parameters()), start=start) > 1e-2
+    assert max_rel_diff(dict(wrong.named_parameters()), dict(emulated.named_parameters()), start=start) > 1e-2
 
 
-def test_rel_diff_against_size_or_against_movement():
+def test_max_rel_diff_against_size_or_against_movement():
     a, b, s = {"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([1.0, 4.0])}, {"w": torch.tensor([1.0, 3.0])}
-    assert rel_diff(a, b) == pytest.approx(0.5) and rel_diff(a, b, start=s) == pytest.approx(2.0)
-    assert rel_diff(b, b) == 0.0
+    assert max_rel_diff(a, b) == pytest.approx(0.5) and max_rel_diff(a, b, start=s) == pytest.approx(2.0)
+    assert max_rel_diff(b, b) == 0.0
+    two = {"u": torch.tensor([0.0, 1.0]), "v": torch.tensor([10.0])}  # the largest difference over the largest value
+    assert max_rel_diff({"u": torch.tensor([0.0, 2.0]), "v": torch.tensor([10.0])}, two) == pytest.approx(0.1)
 
 
 def test_adamw_keeps_sixteen_bytes_per_fp32_parameter():
@@ -336,8 +382,6 @@ def test_dataparallel_replicas_keep_the_autocast_dtype_only_when_forward_sets_it
     # DataParallel runs each replica in a new thread under autocast(device, enabled=...) without a
     # dtype (torch/nn/parallel/parallel_apply.py); the dtype is per thread. The same on a CPU:
     import threading
-
-    from course_lib.chapters.ddp_worker import AutocastForward
 
     torch.manual_seed(0)
     lin, x, seen = torch.nn.Linear(8, 8), torch.randn(4, 8), {}

@@ -135,8 +135,8 @@ def test_all_values_lists_every_pattern_in_order():
     ("fp8_e4m3fn", 448.0, 2.0**-6, 2.0**-9, 2.0**-3),
     ("fp8_e5m2", 57344.0, 2.0**-14, 2.0**-16, 2.0**-2),
 ])
-def test_format_table_has_the_exact_limits_and_agrees_with_the_layout(fmt, max_, normal, subnormal, eps):
-    row = next(r for r in FL.format_table() if r["format"] == fmt)
+def test_limits_table_has_the_exact_limits_and_agrees_with_the_layout(fmt, max_, normal, subnormal, eps):
+    row = next(r for r in FL.limits_table() if r["format"] == fmt)
     assert (row["max"], row["smallest_normal"], row["smallest_subnormal"], row["eps"]) == (max_, normal, subnormal, eps)
     assert row["source"] == "torch.finfo"
     f = F.get_format(fmt)
@@ -144,12 +144,12 @@ def test_format_table_has_the_exact_limits_and_agrees_with_the_layout(fmt, max_,
 
 
 def test_tf32_is_described_but_is_not_a_storage_dtype():
-    row = next(r for r in FL.format_table() if r["format"] == "tf32")
+    row = next(r for r in FL.limits_table() if r["format"] == "tf32")
     assert (row["exponent_bits"], row["mantissa_bits"], row["bits"], row["eps"]) == (8, 10, 19, 2.0**-10)
     assert row["smallest_subnormal"] is None and "layout" in row["source"]
     with pytest.raises(ValueError, match="not a storage dtype"):
         F.decompose(1.0, "tf32")
-    assert "tf32" in FL.format_table_text() and "n/a" in FL.format_table_text()
+    assert "tf32" in FL.format_limits_table() and "n/a" in FL.format_limits_table()
 
 
 @pytest.mark.parametrize("name, want", [("half", "fp16"), (torch.bfloat16, "bf16"), ("e4m3", "fp8_e4m3fn"),

@@ -170,12 +170,12 @@ def test_device_loader_covers_the_data_once_per_epoch_in_a_seeded_order(raw):
     assert all(torch.equal(a, b) for a, b in zip(first, [y for _, y in batches]))
 
 
-def test_format_reference_shows_copies_and_the_sweep():
+def test_format_loading_reference_shows_copies_and_the_sweep():
     run = W.LoaderRun("num_workers=2", 64, [0.1, 0.2], [10.0, 11.0], 50.0)
     copies = [{"copy": name, "mib": 64, "copy_ms": 3.0, "copy_lo": 2.9, "copy_hi": 3.1, "gb_per_s": 22.4,
                "busy_ms": 20.0, "host_ms": h, "both_ms": 21.0} for name, h in (("pageable .to()", 23.0),
                                                                              ("pinned, non_blocking", 0.02))]
-    text = L.format_reference({"copies": copies, "sweep": {"cpus": 16, "per_core": 900.0, "demand": 5400.0,
+    text = L.format_loading_reference({"copies": copies, "sweep": {"cpus": 16, "per_core": 900.0, "demand": 5400.0,
                                                            "batch_size": 64, "runs": [run.__dict__]}})
     assert "pinned, non_blocking" in text and "16 cores" in text and "num_workers=2" in text
     assert all(len(line) <= 100 for line in text.splitlines())
@@ -197,7 +197,7 @@ def test_the_recorded_sweep_tries_no_more_workers_than_the_cores(monkeypatch):
     monkeypatch.setattr(L, "cpus", lambda: 2)
     monkeypatch.setattr(L, "_sweep_record", lambda batch, workers, demand, steps: seen.setdefault("w", workers) and {})
     monkeypatch.setattr(L, "record", lambda *a, **k: None)
-    monkeypatch.setattr(L, "format_reference", lambda payload: "")
+    monkeypatch.setattr(L, "format_loading_reference", lambda payload: "")
     assert L.main(["--device", "cpu"]) == 0 and seen["w"] == [0, 1, 2]
 
 

@@ -99,7 +99,7 @@ def test_the_reference_cli_records_every_mode(tmp_path, capsys):
     ref = json.loads(out.read_text())
     assert [r["mode"] for r in ref["rows"]] == ["fp32", "bf16", multi.amp_mode("cpu").name]
     assert ref["provenance"]["command"].startswith("python -m course_lib.chapters.multi")
-    text = multi.format_reference(ref)
+    text = multi.format_gan_reference(ref)
     assert all(len(line) <= 100 for line in text.splitlines()) and "fp32" in text
 
 

@@ -111,7 +111,7 @@ def test_trace_summary_of_a_cpu_training_step(cpu_trace):
     assert linear["calls"] == 3 and linear["kernels"] >= 3 and "float" in linear["input_types"]
     assert all(r["device_ms"] <= r["cpu_ms"] + 1e-6 for r in s["ops"])  # on a CPU, kernels run inside their op
     assert 0 < T.matmul_share(s) < 1
-    assert T.diagnose(s)[0] in ("overhead", "compute")
+    assert T.diagnose_trace(s)[0] in ("overhead", "compute")
     assert all(len(line) <= 100 for line in T.format_summary({"tiny": s}).splitlines())
 
 
@@ -165,10 +165,10 @@ def test_a_gpu_trace_links_kernels_to_the_ops_that_launched_them():
     (mm,) = s["ops"]
     assert mm["name"] == "aten::mm" and mm["device_ms"] == pytest.approx(0.8) and mm["kernels"] == 1
     assert mm["input_types"] == ["c10::BFloat16", "c10::BFloat16"]
-    assert T.diagnose(s) == ("compute", "fewer_flops")
-    assert T.diagnose(T.trace_summary(gpu_trace(dtype="float"))) == ("compute", "amp")
-    assert T.diagnose(T.trace_summary(gpu_trace(kernel_us=100))) == ("overhead", "fewer_launches")
-    assert T.diagnose(T.trace_summary(gpu_trace(data_us=500, kernel_us=100))) == ("data", "more_workers")
+    assert T.diagnose_trace(s) == ("compute", "fewer_flops")
+    assert T.diagnose_trace(T.trace_summary(gpu_trace(dtype="float"))) == ("compute", "amp")
+    assert T.diagnose_trace(T.trace_summary(gpu_trace(kernel_us=100))) == ("overhead", "fewer_launches")
+    assert T.diagnose_trace(T.trace_summary(gpu_trace(data_us=500, kernel_us=100))) == ("data", "more_workers")
     fig = T.plot_timeline(gpu_trace())
     assert "GPU: kernels" in [t.get_text() for t in fig.axes[0].get_yticklabels()]
     matplotlib.pyplot.close(fig)
@@ -179,8 +179,8 @@ def test_the_cpu_rule_for_overhead_is_the_length_of_the_ops_doing_the_work():
         return {"device": "cpu", "step_ms": 10.0, "ops": [{"name": "aten::linear", "calls": 1, "cpu_ms": 9.0,
                                                            "device_ms": kernel_us * kernels / 1e3, "kernels": kernels,
                                                            "input_types": ["float"]}]}
-    assert T.diagnose(summary(5, 1000)) == ("overhead", "fewer_launches")
-    assert T.diagnose(summary(2000, 4)) == ("compute", "amp")
+    assert T.diagnose_trace(summary(5, 1000)) == ("overhead", "fewer_launches")
+    assert T.diagnose_trace(summary(2000, 4)) == ("compute", "amp")
 
 
 def test_the_contrived_bottlenecks_are_what_they_say(tmp_path):
@@ -192,7 +192,7 @@ def test_the_contrived_bottlenecks_are_what_they_say(tmp_path):
         run = P.profile_steps(steps["data"], wait=0, warmup=1, active=2, trace_dir=tmp_path, name="data")
     finally:
         torch.set_num_threads(threads)
-    assert T.diagnose(T.trace_summary(T.load_trace(run.traces[-1])))[0] == "data"  # 64 images x 1 ms of sleep
+    assert T.diagnose_trace(T.trace_summary(T.load_trace(run.traces[-1])))[0] == "data"  # 64 images x 1 ms of sleep
 
 
 def test_timing_three_ways_and_the_cost_of_a_read_back():
@@ -210,7 +210,7 @@ def test_timing_three_ways_and_the_cost_of_a_read_back():
     assert all(len(line) <= 100 for line in M.format_timings(cost).splitlines())
 
 
-def test_the_recording_cli_writes_summaries_that_format_reference_reads(tmp_path, monkeypatch):
+def test_the_recording_cli_writes_summaries_that_format_profiling_reference_reads(tmp_path, monkeypatch):
     small, time_fn, sync_cost, naive_vs_proper = M.make_trainer, P.time_fn, M.sync_cost, M.naive_vs_proper
 
     def tiny_make_trainer(precision="fp32", device="auto", width=None, batch=None, log_every=10):
@@ -235,7 +235,7 @@ def test_the_recording_cli_writes_summaries_that_format_reference_reads(tmp_path
     ref["snapshot"] = {"allocs": 3, "peak_mib": 2.0, "reserved_mib": 4.0,
                        "largest": [{"mib": 1.0, "where": "profiling.py:1 step"}]}
     for part in ("steps", "bottlenecks", "sync", "timing", "memory"):
-        text = P.format_reference(ref, part)
+        text = P.format_profiling_reference(ref, part)
         assert text and all(len(line) <= 100 for line in text.splitlines()), part
 
 
@@ -295,7 +295,7 @@ def test_snapshot_allocations_are_placed_by_python_frame_and_backward_ones_are_n
 def test_a_recorded_snapshot_without_python_frames_reads_as_autograd_backward():
     ref = {"memory": {}, "snapshot": {"allocs": 2, "peak_mib": 2.0, "reserved_mib": 4.0, "largest": [
         {"mib": 1.5, "where": "??:0 torch::unwind::unwind()"}, {"mib": 1.0, "where": "models.py:37 forward"}]}}
-    text = P.format_reference(ref, "memory")
+    text = P.format_profiling_reference(ref, "memory")
     assert "1.5 MiB  autograd backward (no Python frame)" in text and "1.0 MiB  models.py:37 forward" in text
     assert "first C++ frame" in text and all(len(line) <= 100 for line in text.splitlines())
 
@@ -384,4 +384,5 @@ def test_the_timelines_are_titled_in_words():
     ref = {"bottlenecks": {"data": {"summary": {"device": "cpu", "steps": 3, "step_ms": 10.0, "ops": [
         {"name": "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", "calls": 1, "cpu_ms": 6.0,
          "device_ms": 0.0, "kernels": 0, "input_types": []}]}, "diagnosis": ["data", "more_workers"]}}}
-    assert "data: diagnosed waiting for data; fix: load and transform" in P.format_reference(ref, "bottlenecks")
+    text = P.format_profiling_reference(ref, "bottlenecks")
+    assert "data: diagnosed waiting for data; fix: load and transform" in text

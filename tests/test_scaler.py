@@ -148,32 +148,42 @@ def test_unscale_checks_before_multiplying_so_a_zero_scale_lets_nan_through():
 
 # --------------------------------------------------------------------------- underflow and overflow tools
 
-def test_fates_count_zero_subnormal_normal_and_overflow():
+def test_fates_at_scales_count_zero_subnormal_normal_and_overflow():
     v = torch.tensor([0.0, 2.0 ** -26, 2.0 ** -20, 1.0, 1e5], dtype=torch.float32)
-    (r,) = U.fates(v)
-    assert r["n"] == 4 and (r["zero"], r["subnormal"], r["normal"], r["overflow"]) == (0.25, 0.25, 0.25, 0.25)
-    r16, = U.fates(v, [2.0 ** 16])
-    assert (r16["zero"], r16["subnormal"], r16["overflow"]) == (0.0, 0.0, 0.5)
-    (rb,) = U.fates(v, dtype=torch.bfloat16)
+    (r,) = U.fates_at_scales(v)
+    assert r["n"] == 4 and (r["underflow"], r["subnormal"], r["normal"], r["overflow"]) == (0.25, 0.25, 0.25, 0.25)
+    r16, = U.fates_at_scales(v, [2.0 ** 16])
+    assert (r16["underflow"], r16["subnormal"], r16["overflow"]) == (0.0, 0.0, 0.5)
+    (rb,) = U.fates_at_scales(v, dtype=torch.bfloat16)
     assert rb["normal"] == 1.0
-    text = U.format_fates(U.fates(v, [1.0, 2.0 ** 16]))
+    text = U.format_fates(U.fates_at_scales(v, [1.0, 2.0 ** 16]))
     assert "2^16" in text and max(map(len, text.splitlines())) <= 100
 
 
 @pytest.mark.parametrize("value, scale, fate", [
     (65519996.0, 1e-3, "overflow"),            # fp32 product 65520.0, a tie: inf; in float64 65519.996 -> 65504
-    (7.241964794957312e-06, 3.0 ** -5, "zero"),  # fp32 product 2^-25, a tie: 0; in float64 above it -> 2^-24
+    (7.241964794957312e-06, 3.0 ** -5, "underflow"),  # fp32 product 2^-25, a tie: 0; in float64 above -> 2^-24
 ])
-def test_fates_scales_as_gradscaler_does_a_float32_product_rounded_once(value, scale, fate):
+def test_fates_at_scales_scales_as_gradscaler_does_a_float32_product_rounded_once(value, scale, fate):
     # Neither scale is a float32 number. GradScaler holds the scale as a float32 and scale() multiplies
     # in float32; multiplying in float64 and converting rounds the product twice and lands elsewhere.
     v = torch.tensor([value])
     assert v.item() == value
     stored = torch.amp.GradScaler("cpu", init_scale=scale).scale(v).to(torch.float16)
-    want = "overflow" if torch.isinf(stored).all() else "zero" if (stored == 0).all() else "other"
+    want = "overflow" if torch.isinf(stored).all() else "underflow" if (stored == 0).all() else "other"
     assert want == fate
-    (r,) = U.fates(v, [scale])
+    (r,) = U.fates_at_scales(v, [scale])
     assert r[fate] == 1.0 and r["scale"] == S.f32(scale)
+
+
+def test_fates_at_scales_is_chapter_01s_classification_at_each_scale():
+    from course_lib.chapters.format_limits import fates
+    v = torch.tensor([0.0, 2.0 ** -30, 2.0 ** -20, 1e-3, 1.0, 3e4, math.inf, math.nan])
+    rows = U.fates_at_scales(v, [1.0, 2.0 ** 8, 2.0 ** 16])
+    for r in rows:
+        assert r["n"] == 5  # the non-zero finite values: inf and NaN are no gradient's fate
+        assert {k: r[k] for k in ("overflow", "underflow", "subnormal", "normal")} == fates(v, "fp16", scale=r["scale"])
+    assert [r["underflow"] for r in rows] == [1 / 5, 0.0, 0.0] and rows[2]["overflow"] == 2 / 5
 
 
 def test_gradient_sample_collects_activation_and_parameter_gradients():

@@ -33,16 +33,15 @@ def force_inf_at(trainer, steps):
 def test_fp16_on_cpu_records_skipped_steps_and_backs_off_the_scale():
     t = make("fp16", init_scale=1024.0)
     force_inf_at(t, {3})
-    batches = [data(16, s)[:] for s in range(5)]
-    before = None
-    for i, (x, y) in enumerate(batches, start=1):
-        if i == 3:
-            before = [p.detach().clone() for p in t.model.parameters()]
-        skipped = t.train_step([(x, y)])
-        if i == 3:
-            assert skipped
-            after = list(t.model.parameters())
-            assert all(torch.equal(a, b) for a, b in zip(before, after)), "a skipped step must not change weights"
+    b1, b2, b3, b4, b5 = (data(16, s)[:] for s in range(5))
+    t.train_step([b1])
+    t.train_step([b2])
+    before = [p.detach().clone() for p in t.model.parameters()]
+    assert t.train_step([b3]), "step 3's gradient is inf: the step must be skipped"
+    after = list(t.model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(before, after)), "a skipped step must not change weights"
+    t.train_step([b4])
+    t.train_step([b5])
     assert t.history.skipped == [False, False, True, False, False]
     assert t.history.scale[2] == t.history.scale[1] * 0.5
 
@@ -167,8 +166,8 @@ def test_an_fp16_step_reads_nothing_back_from_the_device_until_the_history_is_re
 
 
 def test_every_training_step_of_the_course_is_the_one_amp_step(monkeypatch):
-    # Issue: the central loop existed twice. The Trainer, chapter 04's accumulation, the DDP
-    # worker's timed step, the GPT ladder and the speed-up script must all run train.amp_step.
+    # The course has one training step, train.amp_step: the Trainer, chapter 04's accumulation, the
+    # DDP worker's timed step, the GPT ladder and the speed-up script must all run it, not a copy.
     from course_lib import train
     from course_lib.chapters import accumulation, ddp_worker, ladder, speedup
     from course_lib.models import GPT, GPTConfig

@@ -40,6 +40,7 @@ __all__ = [
     "recount_saved",
     "read_memory_rows",
 ]
+# seeded_mlp and seeded_batch are public for accumulation_pitfalls; no chapter calls them (not in __all__)
 
 Batches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 EPS = {name: torch.finfo(dtype or torch.float32).eps for name, dtype in AMP_DTYPES.items()}  # machine epsilon
@@ -99,7 +100,10 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _mlp(seed: int, width: int = 64, features: int = 32, classes: int = 10, norm: str | None = None) -> nn.Module:
+def seeded_mlp(seed: int, width: int = 64, features: int = 32, classes: int = 10, norm: str | None = None) -> nn.Module:
+    """The small MLP of the accumulation experiments, its weights drawn from `seed` (the same seed, the
+    same model); `norm` puts a BatchNorm, GroupNorm or LayerNorm after the first layer. A helper of this
+    module and of accumulation_pitfalls: no chapter calls it."""
     torch.manual_seed(seed)
     norms = {
         None: nn.Identity,
@@ -117,7 +121,9 @@ def _mlp(seed: int, width: int = 64, features: int = 32, classes: int = 10, norm
     )
 
 
-def _data(n: int, seed: int, features: int = 32, classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+def seeded_batch(n: int, seed: int, features: int = 32, classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y): `n` random inputs for seeded_mlp and their class labels, drawn from `seed` by a generator
+    of their own (the global random state is left alone)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, features, generator=g), torch.randint(0, classes, (n,), generator=g)
 
@@ -134,15 +140,15 @@ def equivalence_rows(
     precision; `large_vs_fp64`: of that large-batch gradient from float64's; `eps`: the
     precision's machine epsilon. fp16 runs with torch.amp.GradScaler("cpu").
     """
-    x, y = _data(batch, seed)
-    exact = accumulated_grad(_mlp(seed).double(), [(x.double(), y)])
+    x, y = seeded_batch(batch, seed)
+    exact = accumulated_grad(seeded_mlp(seed).double(), [(x.double(), y)])
     rows = []
     for p in precisions:
         scaler = (lambda: torch.amp.GradScaler("cpu")) if p == "fp16" else (lambda: None)
-        large = accumulated_grad(_mlp(seed), [(x, y)], dtype=AMP_DTYPES[p], scaler=scaler())
+        large = accumulated_grad(seeded_mlp(seed), [(x, y)], dtype=AMP_DTYPES[p], scaler=scaler())
         for n in splits:
             micro = list(zip(x.chunk(n), y.chunk(n)))
-            acc = accumulated_grad(_mlp(seed), micro, dtype=AMP_DTYPES[p], scaler=scaler())
+            acc = accumulated_grad(seeded_mlp(seed), micro, dtype=AMP_DTYPES[p], scaler=scaler())
             rows.append(
                 {
                     "precision": p,

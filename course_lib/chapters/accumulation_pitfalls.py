@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..train import TrainConfig, Trainer
-from .accumulation import _data, _mlp, accumulated_grad, rel_diff
+from .accumulation import accumulated_grad, rel_diff, seeded_batch, seeded_mlp
 
 __all__ = [
     "LOOP_VARIANTS",
@@ -74,13 +74,13 @@ def scale_trajectory(
     """
     if variant not in LOOP_VARIANTS:
         raise ValueError(f"variant must be one of {LOOP_VARIANTS}")
-    x, y = _data(steps * accum * micro, seed)
+    x, y = seeded_batch(steps * accum * micro, seed)
     for b in bad:  # a corrupted sample: its loss, and so the gradients, become NaN
         x[b * micro, 0] = float("inf")
     batches = list(zip(x.split(micro), y.split(micro)))
     first = [(x[: accum * micro], y[: accum * micro])]
-    large = accumulated_grad(_mlp(seed), first, dtype=torch.float16, scaler=torch.amp.GradScaler("cpu"))
-    model = _mlp(seed)
+    large = accumulated_grad(seeded_mlp(seed), first, dtype=torch.float16, scaler=torch.amp.GradScaler("cpu"))
+    model = seeded_mlp(seed)
     opt = _CountingSGD(model.parameters(), lr=lr)
     opt.grads = []
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
@@ -122,13 +122,13 @@ def norm_rows(
     `running_mean`: the same for BatchNorm's running mean after the forward passes of one step
     (None for layers without one). "BatchNorm, eval mode" normalizes with frozen statistics.
     """
-    x, y = _data(batch, seed)
+    x, y = seeded_batch(batch, seed)
     rows = []
     for norm in norms:
         kind = norm.split(",")[0]
 
         def fresh() -> nn.Module:
-            m = _mlp(seed, norm=kind)
+            m = seeded_mlp(seed, norm=kind)
             return m.eval() if "eval" in norm else m
 
         big = fresh()
@@ -183,7 +183,7 @@ def allreduce_calls(pattern: str, accum: int = 4, micro: int = 8, seed: int = 0)
         raise ValueError(f"pattern must be one of {SYNC_PATTERNS}")
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    x, y = _data(accum * micro, seed)
+    x, y = seeded_batch(accum * micro, seed)
     batches = list(zip(x.split(micro), y.split(micro)))
     state: dict = {"micro": -1, "calls": []}
 
@@ -192,7 +192,7 @@ def allreduce_calls(pattern: str, accum: int = 4, micro: int = 8, seed: int = 0)
         return allreduce_hook(None, bucket)
 
     with _one_process_group():
-        net = _mlp(seed)
+        net = seeded_mlp(seed)
         net.register_forward_pre_hook(lambda module, args: state.update(micro=state["micro"] + 1))
         ddp = nn.parallel.DistributedDataParallel(net)
         ddp.register_comm_hook(state, hook)
@@ -232,10 +232,10 @@ def article_001_loop(
     and the weight each of their samples got, relative to the mean over those samples (1.0
     is right). Batches still waiting when the loop ends are returned as a last row, `stepped` False.
     """
-    model = _mlp(0, width=8, features=4, classes=2)
+    model = seeded_mlp(0, width=8, features=4, classes=2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", enabled=False)  # the article's scaler, off: fp32 on a CPU
-    data = [_data(n, seed=b, features=4, classes=2) for b, n in enumerate(batch_sizes)]
+    data = [seeded_batch(n, seed=b, features=4, classes=2) for b, n in enumerate(batch_sizes)]
     log, pending = [], []
     for epoch in range(epochs):
         for i, (input, target) in enumerate(data):

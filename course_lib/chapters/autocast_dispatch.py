@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["dispatch_trace", "casts", "backward_pairs", "registered_ops"]
+# DispatchRecorder is public for autocast_policy's probes; no chapter uses it (not in __all__)
 
 SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
 
@@ -51,9 +52,14 @@ class TraceEntry:
         return f"{self.op}({', '.join(map(short, self.in_dtypes))}) -> {short(self.out_dtype)}"
 
 
-class _Recorder(TorchDispatchMode):
-    # A dispatch mode sits *below* the Autocast dispatch key, so it sees exactly what
-    # autocast hands on: its inserted `_to_copy` casts and the op with cast inputs.
+class DispatchRecorder(TorchDispatchMode):
+    """A dispatch mode that records every ATen op run inside it as a TraceEntry (`entries`).
+
+    A dispatch mode sits *below* the Autocast dispatch key, so it sees exactly what autocast
+    hands on: its inserted `_to_copy` casts and the op with cast inputs. dispatch_trace and
+    autocast_policy's probes run under it; no chapter uses it directly.
+    """
+
     def __init__(self) -> None:
         super().__init__()
         self.entries: list[TraceEntry] = []
@@ -72,7 +78,7 @@ def dispatch_trace(fn: Callable[[], object], hide: Sequence[str] = ("detach", "a
     Call it inside an autocast region to see the casts autocast inserts (`_to_copy`).
     `hide` drops autograd's bookkeeping ops (outputs saved for backward are detached).
     """
-    with _Recorder() as rec:
+    with DispatchRecorder() as rec:
         fn()
     return [e for e in rec.entries if e.op not in hide]
 

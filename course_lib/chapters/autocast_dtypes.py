@@ -39,8 +39,8 @@ __all__ = [
     "format_module_dtypes",
     "memory_comparison",
     "mlp_memory_rows",
-    "format_memory_rows",
-    "read_memory_rows",
+    "format_mlp_memory_rows",
+    "read_mlp_memory_rows",
     "cpu_fp16_flags",
     "REGION_LAYOUTS",
     "after_step_in_region",
@@ -199,7 +199,7 @@ def mlp_memory_rows(
     return rows
 
 
-def format_memory_rows(rows: Sequence[dict]) -> str:
+def format_mlp_memory_rows(rows: Sequence[dict]) -> str:
     """Chapter 02: mlp_memory_rows as a table (MiB): the saved activations in fp32 and under autocast,
     autocast's saved weight copies, and the whole step's peak in both. Files recorded before the
     saved bytes were told apart by kind hold peaks only here ("-")."""
@@ -216,7 +216,7 @@ def format_memory_rows(rows: Sequence[dict]) -> str:
     return "\n".join(out)
 
 
-def read_memory_rows(rows: Sequence[dict], largest_weight_mib: float | None = None) -> str:
+def read_mlp_memory_rows(rows: Sequence[dict], largest_weight_mib: float | None = None) -> str:
     """Chapter 02: mlp_memory_rows in words, computed from the numbers: what autocast saved on
     activations and added in weight copies, and how the whole step's peak moved. `largest_weight_mib`
     (the biggest weight matrix in fp32, MiB) lets it name the 16-bit gradient that exists beside its
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rows = mlp_memory_rows(args.device, width=args.width)
     command = "python -m course_lib.chapters.autocast_dtypes " + " ".join(argv if argv is not None else sys.argv[1:])
-    record(command, format_memory_rows(rows), args.json, rows=rows)
+    record(command, format_mlp_memory_rows(rows), args.json, rows=rows)
     return 0
 
 

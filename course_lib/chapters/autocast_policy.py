@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..reference import record
-from .autocast_dispatch import SHORT, _Recorder, casts, short
+from .autocast_dispatch import SHORT, DispatchRecorder, casts, short
 
 __all__ = [
     "LOW_PRECISION",
@@ -233,7 +233,7 @@ def run_op(
             # the probe is about dtypes, and the same warning printed 4 times per op hides the table.
             with warnings.catch_warnings(), _autocast(device, dtype, autocast, fake):
                 warnings.simplefilter("ignore")
-                rec = _Recorder()
+                rec = DispatchRecorder()
                 with rec:
                     out = spec.fn(*xs)
             return Outcome(out.dtype, None, casts(rec.entries))

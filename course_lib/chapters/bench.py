@@ -30,7 +30,14 @@ from ..timing import Timing, compare, peak_memory_bytes, time_fn
 from ..train import TrainConfig, Trainer
 from .matmul import tf32
 
-__all__ = ["draw_amp_step", "mixed_precision_for", "compare_runs", "precision_table", "format_table", "read_table"]
+__all__ = [
+    "draw_amp_step",
+    "mixed_precision_for",
+    "compare_runs",
+    "precision_table",
+    "format_precision_table",
+    "read_table",
+]
 
 # Input shape, constructor arguments and class count of each model the table can run.
 WORKLOADS: dict[str, tuple[tuple[int, ...], dict, int]] = {
@@ -238,7 +245,7 @@ def precision_table(
     return rows
 
 
-def format_table(rows: list[dict]) -> str:
+def format_precision_table(rows: list[dict]) -> str:
     """Chapter 00: precision_table rows as text; "middle half" is where half of the timed steps fell."""
     out = [f"{'mode':<30}{'ms/step':>9}{'middle half':>15}{'samples/s':>11}{'speed-up':>10}{'peak mem':>11}"]
     for r in rows:
@@ -347,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     rows = precision_table(args.model, args.batch, args.steps, args.device)
     command = "python -m course_lib.chapters.bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    record(command, format_table(rows), args.json, rows=rows)
+    record(command, format_precision_table(rows), args.json, rows=rows)
     return 0
 
 

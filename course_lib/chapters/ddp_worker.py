@@ -6,23 +6,19 @@
 course_lib.chapters.ddp_launch.launch starts it (from a notebook or its CLI); the command above
 starts it from a shell, and with torchrun's rendezvous flags the same file runs on many machines.
 torchrun hands every process RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its
-environment; this file reads them and never makes them up.
+environment; init_process_group reads them, and nothing here makes them up.
 
-Every rank, in order (each step leaves what it found in OUT for the launcher to check):
-1. joins the process group: gloo on a CPU, nccl on CUDA (one GPU per process, LOCAL_RANK);
-2. builds the model with a different seed on every rank and wraps it in DDP, which broadcasts
-   rank 0's parameters: afterwards all ranks hold the same ones;
-3. runs one fp32 forward and backward on its share of the first batch (DDP all-reduces the
-   gradient) and saves that gradient;
-4. trains with the course's Trainer over a DistributedSampler (Trainer calls set_epoch every
-   epoch): autocast in the course's precision (bf16 on a CPU; on CUDA the policy of chapter 00,
-   fp16 with a GradScaler -- one per process -- on a T4), accumulation with no_sync (Trainer),
-   rank 0 alone printing progress and writing the checkpoint;
-5. with --fsdp, computes the same gradient with FSDP2 (fully_shard), each rank holding a shard.
-Whatever happens, the process group is destroyed (finally; after a barrier when every rank got
-through), and with it its communication threads: see teardown(). A rank that fails first writes
-OUT/failed_rank<r>.json (time and error), so that the launcher names the rank that failed first,
-not the ones that failed because it left.
+`train` is one rank's whole DDP training, the function the chapter shows: the process group, DDP,
+a DistributedSampler with set_epoch, autocast with one GradScaler per process, accumulation with
+no_sync (the course's amp_step), a checkpoint from rank 0, the group destroyed in `finally`. Its
+`hooks` are where the chapter's instruments attach; `Hooks` does nothing there. `main` passes
+`Instruments`, which watches from the hooks and leaves what it finds in OUT for the launcher, the
+notebook and the tests: the parameter checksums before and after DDP(), one fp32 gradient of the
+first batch, the gradient all-reduces (a DDP comm hook), the loss averaged over the ranks and every
+rank's GradScaler (rank 0 logs them), the samplers' indices, the final parameters, summary.json and,
+with --fsdp, the first gradient again with FSDP2. A forward pre-hook injects the failures the tests
+ask for. A rank that fails writes OUT/failed_rank<r>.json (time and error), so that the launcher
+names the rank that failed first, not the ones that failed because it left.
 """
 
 from __future__ import annotations
@@ -50,14 +46,14 @@ import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
-from tqdm import tqdm
 
 from ..data import load_dataset
 from ..models import MLP
-from ..train import AMP_DTYPES, TrainConfig, Trainer, amp_step
+from ..train import AMP_DTYPES, StepResult, amp_step, resolve_precision
 from .bench import synthetic_batches
+from .distributed import _bench_model, fsdp_gradient
 
-__all__: list[str] = []  # a program, run by torchrun; nothing here is imported by name
+__all__ = ["train", "Hooks"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,19 +85,68 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class Rank:
-    """Who this process is, from torchrun's environment, and how it logs."""
+class Hooks:
+    """Chapter 08: where `train` lets the chapter's instruments in (`Instruments`); here each does nothing."""
 
-    def __init__(self, backend: str = "auto") -> None:
-        self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        self.local = int(os.environ.get("LOCAL_RANK", self.rank))
-        cuda = backend == "nccl" or (backend == "auto" and torch.cuda.is_available())
-        self.backend = "nccl" if cuda else "gloo"
-        self.device = torch.device(f"cuda:{self.local}" if cuda else "cpu")
+    def built(self, model: nn.Module) -> None:
+        """The model, before DDP() wraps it."""
 
-    def say(self, msg: str, everyone: bool = False) -> None:
-        if everyone or self.rank == 0:  # rank-0 logging: one voice, not world_size copies
-            print(f"[rank {self.rank}] {msg}", flush=True)
+    def started(self, ddp: DDP, loader: DataLoader, scaler: torch.amp.GradScaler) -> None:
+        """All is set up; the first optimizer step comes next."""
+
+    def stepped(self, result: StepResult) -> None:
+        """An optimizer step is done (amp_step's result, still on the device)."""
+
+    def finished(self, ddp: DDP, sampler: DistributedSampler) -> None:
+        """The last optimizer step is done; the process group is still there."""
+
+
+def train(args: argparse.Namespace, hooks: Hooks = Hooks()) -> None:
+    """Chapter 08: one process's whole DDP training run; torchrun starts one per GPU (or CPU worker).
+
+    `hooks` are where the chapter's instruments watch from (`Instruments`); the default does nothing."""
+    local_rank = int(os.environ["LOCAL_RANK"])  # set by torchrun: this process's number on its machine
+    cuda = args.backend == "nccl" or (args.backend == "auto" and torch.cuda.is_available())
+    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)  # before anything else touches CUDA: one GPU per process
+    timeout = timedelta(seconds=args.pg_timeout)  # how long a collective waits for the others
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout, device_id=device if cuda else None)
+    try:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(args.seed + rank)  # different weights on every rank, on purpose ...
+        model = MLP(hidden=args.hidden, depth=1).to(device)
+        hooks.built(model)
+        ddp = DDP(model, device_ids=[local_rank] if cuda else None)  # ... DDP() broadcasts rank 0's
+        data = load_dataset(train_size=args.train_size, test_size=1, verbose=False).train
+        sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+        loader = DataLoader(data, batch_size=args.batch, sampler=sampler)  # this rank's share only
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+        precision = resolve_precision(args.precision or ("auto" if cuda else "bf16"), device)
+        dtype = AMP_DTYPES[precision]  # auto: chapter 00's policy (fp16 on a T4); None: fp32
+        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # one per process
+        hooks.started(ddp, loader, scaler)
+        for epoch in range(args.epochs):
+            sampler.set_epoch(epoch)  # a new order every epoch, the same on every rank
+            micro_batches = []
+            for x, y in loader:
+                micro_batches.append((x.to(device), y.to(device)))
+                if len(micro_batches) == args.accum:  # one optimizer step per args.accum micro-batches:
+                    # autocast forward, scaled backward (no_sync() on all but the last), scaler step
+                    result = amp_step(ddp, optimizer, scaler, micro_batches, dtype)
+                    hooks.stepped(result)
+                    micro_batches = []
+        hooks.finished(ddp, sampler)
+        if rank == 0:  # every rank holds the same state: one checkpoint, written by one process
+            checkpoint = {
+                "model": ddp.state_dict(),  # DDP's: every key starts with "module."
+                "optimizer": optimizer.state_dict(),
+                "scaler": scaler.state_dict(),  # part of the training state (chapter 03)
+            }
+            torch.save(checkpoint, args.out / "checkpoint.pt")
+        dist.barrier()  # no rank goes on (to read it, or to close its connections) before it is written
+    finally:
+        dist.destroy_process_group()  # also after an error: the group's connections and threads end
 
 
 def _checksum(model: nn.Module) -> float:
@@ -112,214 +157,137 @@ def _cpu(named) -> dict[str, torch.Tensor]:
     return {n: t.detach().cpu().clone() for n, t in named}
 
 
-def _loss_fn(r: Rank, args: argparse.Namespace):
-    """Cross-entropy, with the failures the tests inject: a rank that raises, or one that hangs."""
-    calls = [0]
-
-    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        calls[0] += 1
-        if calls[0] == args.fail_at and r.rank == args.fail_rank:
-            raise RuntimeError(f"injected failure on rank {r.rank} at micro-batch {calls[0]}")
-        if calls[0] == args.fail_at and r.rank == args.hang_rank:
-            r.say(f"injected hang at micro-batch {calls[0]}", everyone=True)
-            time.sleep(3600)
-        return F.cross_entropy(out, y)
-
-    return loss
+def _gather(obj: object) -> list:
+    """Every rank's `obj`, in rank order, on every rank."""
+    objs = [None] * dist.get_world_size()
+    dist.all_gather_object(objs, obj)
+    return objs
 
 
-def _count_allreduces(ddp: DDP) -> list[int]:
-    """Make DDP count its gradient all-reduces (one per bucket per synchronised backward)."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+class Instruments(Hooks):
+    """Chapter 08's instruments: they watch `train` from its hooks and leave their findings in OUT."""
 
-    calls = [0]
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.rank = args, int(os.environ["RANK"])
+        self.pending: list[StepResult] = []  # steps not yet read back from the device
+        self.losses: list[float] = []  # per optimizer step, the mean over the ranks
+        self.scales: list[float] = []  # this rank's loss scale after each step (1.0 without a scaler)
+        self.skipped = self.steps = self.allreduces = self.forwards = 0
+        self.seconds, self.precision = 0.0, "fp32"
 
-    def hook(state, bucket):
-        calls[0] += 1
+    def say(self, msg: str, everyone: bool = False) -> None:
+        if everyone or self.rank == 0:  # rank-0 logging: one voice, not world_size copies
+            print(f"[rank {self.rank}] {msg}", flush=True)
+
+    def built(self, model: nn.Module) -> None:
+        self.world, self.device = dist.get_world_size(), next(model.parameters()).device
+        self.say(
+            f"rank {self.rank} of {self.world}, local rank {os.environ['LOCAL_RANK']}, pid {os.getpid()}, "
+            f"{dist.get_backend()} on {self.device}, store {os.environ.get('MASTER_ADDR')}:"
+            f"{os.environ.get('MASTER_PORT')}",
+            everyone=True,
+        )
+        self.before = _gather(_checksum(model))  # different seeds: different parameters
+
+    def started(self, ddp: DDP, loader: DataLoader, scaler: torch.amp.GradScaler) -> None:
+        args, out, model = self.args, self.args.out, ddp.module
+        self.after = _gather(_checksum(model))  # DDP() broadcast rank 0's
+        self.say(f"parameter checksums before DDP() {self.before}, after {self.after}")
+        self.say(f"data: {len(loader.dataset):,} Fashion-MNIST images, {len(loader.sampler):,} per rank per epoch")
+        self.init = _cpu(model.named_parameters())
+        if self.rank == 0:
+            torch.save(self.init, out / "init.pt")
+        # one fp32 forward and backward on this rank's share of the first batch: DDP all-reduces the gradient
+        x, y = next(iter(loader))
+        self.first = x.to(self.device), y.to(self.device)
+        F.cross_entropy(ddp(self.first[0]), self.first[1]).backward()
+        self.grads = _cpu((n, p.grad) for n, p in model.named_parameters())
+        torch.save(self.grads, out / f"grads_rank{self.rank}.pt")
+        ddp.zero_grad(set_to_none=True)
+        ddp.register_comm_hook(None, self._allreduce)  # from here on: training's all-reduces
+        model.register_forward_pre_hook(self._forward)  # and training's forwards
+        self.scaler, self.per_epoch = scaler.is_enabled(), len(loader) // args.accum
+        self.total, self.t0 = args.epochs * self.per_epoch, time.perf_counter()
+
+    def _allreduce(self, state, bucket):
+        """DDP's default all-reduce, counted: DDP calls this once per bucket per synchronised backward."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self.allreduces += 1
         return allreduce_hook(state, bucket)
 
-    ddp.register_comm_hook(None, hook)
-    return calls
+    def _forward(self, module: nn.Module, inputs: tuple) -> None:
+        """Before each micro-batch's forward: the autocast it runs in, and the failures the tests inject."""
+        self.forwards, args = self.forwards + 1, self.args
+        if self.forwards == 1:
+            on, kind = torch.is_autocast_enabled(self.device.type), torch.get_autocast_dtype(self.device.type)
+            self.precision = next((k for k, v in AMP_DTYPES.items() if v == kind), str(kind)) if on else "fp32"
+            how = f"{self.precision} autocast" if on else "fp32 (autocast off)"
+            self.say(
+                f"{how}, GradScaler {'on' if self.scaler else 'off'} (one per process); "
+                f"one step = {self.world} ranks x {args.accum} micro-batches x {args.batch}"
+            )
+        if self.forwards == args.fail_at and self.rank == args.fail_rank:
+            raise RuntimeError(f"injected failure on rank {self.rank} at micro-batch {self.forwards}")
+        if self.forwards == args.fail_at and self.rank == args.hang_rank:
+            self.say(f"injected hang at micro-batch {self.forwards}", everyone=True)
+            time.sleep(3600)
 
+    def stepped(self, result: StepResult) -> None:
+        self.pending.append(result)
+        self.steps += 1
+        if self.steps % self.args.log_every == 0:
+            self._log()
 
-def demo(r: Rank, args: argparse.Namespace) -> None:
-    out = args.out
-    precision = args.precision or ("bf16" if r.device.type == "cpu" else "auto")
-    data = load_dataset(train_size=args.train_size, test_size=1, verbose=False).train
-    r.say(f"data: {len(data):,} Fashion-MNIST images, {len(data) // r.world:,} per rank per epoch")
-    # 2. different initial weights on purpose; DDP's constructor broadcasts rank 0's
-    torch.manual_seed(args.seed + r.rank)
-    model = MLP(hidden=args.hidden, depth=1).to(r.device)
-    before = [None] * r.world
-    dist.all_gather_object(before, _checksum(model))
-    ddp = DDP(model, device_ids=[r.local] if r.device.type == "cuda" else None)
-    after = [None] * r.world
-    dist.all_gather_object(after, _checksum(model))
-    r.say(f"parameter checksums before DDP() {before}, after {after}")
-    init = _cpu(model.named_parameters())
-    if r.rank == 0:
-        torch.save(init, out / "init.pt")
-    # 3. one fp32 step's gradient on this rank's share of the first batch
-    sampler = DistributedSampler(data, num_replicas=r.world, rank=r.rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(data, batch_size=args.batch, sampler=sampler)
-    x, y = next(iter(loader))
-    x, y = x.to(r.device), y.to(r.device)
-    F.cross_entropy(ddp(x), y).backward()
-    grads = _cpu((n, p.grad) for n, p in model.named_parameters())
-    torch.save(grads, out / f"grads_rank{r.rank}.pt")
-    ddp.zero_grad(set_to_none=True)
-    # 4. train: the course's loop, unchanged, on a DDP model and a DistributedSampler
-    allreduces = _count_allreduces(ddp)
-    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
-    cfg = TrainConfig(
-        precision=precision,
-        device=str(r.device),
-        epochs=args.epochs,
-        accum_steps=args.accum,
-        progress=False,
-        log_every=10**9,
-    )
-    trainer = Trainer(ddp, opt, cfg, loss_fn=_loss_fn(r, args))
-    scaler = "on" if trainer.scaler.is_enabled() else "off"
-    tqdm.monitor_interval = 0  # no bar here (progress=False): no tqdm monitor thread either, one fewer at exit
-    r.say(
-        f"{trainer.precision} autocast, GradScaler {scaler} (one per process); one step = {r.world} ranks "
-        f"x {args.accum} micro-batches x {args.batch}"
-    )
-    per_epoch = len(loader) // args.accum
-    total = args.epochs * per_epoch
-    losses: list[float] = []
-    while trainer.step_count < total:
-        cfg.max_steps = min(total, trainer.step_count + args.log_every)
-        done = trainer.step_count
-        trainer.fit(loader)  # resumable: continues at the exact micro-batch where it stopped
-        mine = torch.tensor(trainer.history.loss[done:], device=r.device)
-        dist.all_reduce(mine)  # SUM (gloo has no AVG): the mean over ranks is what rank 0 logs
-        losses += (mine / r.world).tolist()
-        state = [None] * r.world  # each rank's own scaler: do they agree?
-        dist.all_gather_object(state, (trainer.history.scale[-1], trainer.history.skipped_steps))
+    def _log(self) -> None:
+        """Read the pending steps back; rank 0 logs the loss averaged over the ranks and the scalers."""
+        losses = torch.stack([r.loss for r in self.pending])
+        dist.all_reduce(losses)  # SUM (gloo has no AVG): the mean over ranks is what rank 0 logs
+        self.losses += (losses / self.world).tolist()
+        self.scales += [float(r.scale) for r in self.pending]
+        self.skipped += sum(bool(r.skipped) for r in self.pending)
+        self.pending.clear()
+        state = _gather((self.scales[-1], self.skipped))  # each rank's own scaler: do they agree?
         scale = (
             f"scale {state[0][0]:g}, {state[0][1]} skipped (all ranks)"
             if len(set(state)) == 1
             else f"scale, skipped by rank {state}"
         )
-        r.say(
-            f"step {trainer.step_count:>3}/{total} epoch {(trainer.step_count - 1) // per_epoch} loss "
-            f"{losses[-1]:.4f} (mean over ranks) {scale}"
+        self.say(
+            f"step {self.steps:>3}/{self.total} epoch {(self.steps - 1) // self.per_epoch} loss "
+            f"{self.losses[-1]:.4f} (mean over ranks) {scale}"
         )
-    if r.rank == 0:  # every rank holds the same state: one writer, never world_size writers
-        trainer.save_checkpoint(out / "checkpoint.pt")
-        r.say("checkpoint.pt written by rank 0 only, the others wait at a barrier")
-    dist.barrier()  # nobody reads the checkpoint before it is complete
-    torch.save(_cpu(model.named_parameters()), out / f"params_rank{r.rank}.pt")
-    scales = [None] * r.world
-    dist.all_gather_object(scales, trainer.history.scale)
-    seen = []
-    for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
-        seen.append(list(sampler))
-    (out / f"indices_rank{r.rank}.json").write_text(json.dumps(seen))
-    summary = {
-        "world_size": r.world,
-        "backend": r.backend,
-        "device": str(r.device),
-        "precision": trainer.precision,
-        "scaler": trainer.scaler.is_enabled(),
-        "checksums_before": before,
-        "checksums_after": after,
-        "losses": losses,
-        "scales_by_rank": scales,
-        "steps": trainer.step_count,
-        "allreduce_calls": allreduces[0],
-        "seconds": trainer.history.seconds,
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-    }
-    if args.fsdp:
-        summary["fsdp"] = fsdp_gradient(r, args, init, x, y, grads)
-    if r.rank == 0:
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    r.say(
-        f"done: {trainer.step_count} optimizer steps, {allreduces[0]} gradient all-reduce calls, "
-        f"{trainer.history.seconds:.1f} s of training",
-        everyone=True,
-    )
 
-
-def fsdp_gradient(
-    r: Rank, args: argparse.Namespace, init: dict, x: torch.Tensor, y: torch.Tensor, ddp_grads: dict
-) -> dict:
-    """Step 5: the first batch's gradient again, with FSDP2: each rank keeps 1/world of every tensor."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    # FSDP2 on a CPU before torch 2.9, each found on the running torch: 2.6's CPU Stream lacks the no-op record_event/
-    # wait_event FSDP2 calls (added in 2.7, pytorch#145935), and 2.6's second all-gather in backward bumps the version
-    # counter of tensors forward saved (pytorch#136303), so there each layer stays gathered until backward; up to 2.8,
-    # gloo's reduce-scatter sums where FSDP2 asks for the average (pytorch#162338): `summed` undoes it in `full`.
-    old_cpu = r.device.type == "cpu" and not hasattr(torch.cpu.Stream, "record_event")
-    if old_cpu:
-        torch.cpu.Stream.record_event, torch.cpu.Stream.wait_event = lambda self: None, lambda self, event: None
-    summed = torch.zeros(1, device=r.device)
-    scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)  # the new name from torch 2.14
-    scatter(summed, torch.ones(r.world, device=r.device), op=dist.ReduceOp.AVG)  # 1: averaged
-    mesh = init_device_mesh(r.device.type, (r.world,))
-    result = {}
-    for name, policy in (
-        ("fp32", MixedPrecisionPolicy()),
-        ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
-    ):
-        model = MLP(hidden=args.hidden, depth=1).to(r.device)
-        model.load_state_dict(init)
-        for layer in model.modules():
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=not old_cpu)  # per layer
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-        logits = model(x)
-        F.cross_entropy(logits, y).backward()
-        full = {n: p.grad.full_tensor().cpu() / summed.item() for n, p in model.named_parameters()}  # a collective
-        diff = max(((full[n] - g).abs().max() / g.abs().max()).item() for n, g in ddp_grads.items())
-        shapes = {n: [list(p.to_local().shape), list(p.shape)] for n, p in model.named_parameters()}
-        held = sum(p.to_local().numel() for p in model.parameters())
-        total = sum(p.numel() for p in model.parameters())
-        result[name] = {
-            "shapes": shapes,
-            "held": held,
-            "total": total,
-            "rel_diff_vs_ddp": diff,
-            "logits_dtype": str(logits.dtype).removeprefix("torch."),
-            "grad_dtype": str(next(model.parameters()).grad.dtype).removeprefix("torch."),
+    def finished(self, ddp: DDP, sampler: DistributedSampler) -> None:
+        args, out = self.args, self.args.out
+        self.seconds = time.perf_counter() - self.t0
+        if self.pending:
+            self._log()
+        torch.save(_cpu(ddp.module.named_parameters()), out / f"params_rank{self.rank}.pt")
+        seen = []
+        for epoch in range(args.epochs):  # the indices this rank's sampler gave it, epoch by epoch
+            sampler.set_epoch(epoch)
+            seen.append(list(sampler))
+        (out / f"indices_rank{self.rank}.json").write_text(json.dumps(seen))
+        summary = {
+            "world_size": self.world,
+            "backend": dist.get_backend(),
+            "device": str(self.device),
+            "precision": self.precision,
+            "scaler": self.scaler,
+            "checksums_before": self.before,
+            "checksums_after": self.after,
+            "losses": self.losses,
+            "scales_by_rank": _gather(self.scales),
+            "steps": self.steps,
+            "allreduce_calls": self.allreduces,
+            "seconds": self.seconds,
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         }
-        r.say(
-            f"FSDP2 {name}: holds {held:,} of {total:,} parameters; gradient vs DDP's: max rel. diff {diff:.1e}",
-            everyone=name == "fp32",
-        )
-    # DTensor's caches keep this mesh for the life of the process, and the mesh keeps its process groups:
-    # let go of them, or destroy_process_group cannot free the group (see teardown)
-    getattr(mesh, "_pg_registry", {}).clear()
-    return result
-
-
-class AutocastForward(nn.Module):
-    """Chapter 08: run `model`'s forward under autocast(dtype) in whichever thread calls it.
-
-    DataParallel runs each replica in a thread of its own and re-enters autocast there with
-    `enabled` alone (torch/nn/parallel/parallel_apply.py); the autocast dtype is per thread, so
-    the replicas fall back to the default, fp16 on CUDA, inside an outer bf16 region. Autocast in
-    the forward itself, as the AMP examples page does for DataParallel, carries the dtype along.
-    """
-
-    def __init__(self, model: nn.Module, dtype: torch.dtype | None) -> None:
-        super().__init__()
-        self.model, self.dtype = model, dtype
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None):
-            return self.model(x)
-
-
-def _bench_model(width: int) -> nn.Module:
-    """A wide MLP for step timing: enough work per step that communication has something to hide behind."""
-    return MLP(in_features=width, hidden=width, depth=4, num_classes=width // 4)
+        if args.fsdp:
+            summary["fsdp"] = fsdp_gradient(self.init, *self.first, self.grads, args.hidden, self.say)
+        if self.rank == 0:
+            (out / "summary.json").write_text(json.dumps(summary, indent=1))
 
 
 def _bench_step(
@@ -333,42 +301,52 @@ def _bench_step(
     amp_step(model, opt, scaler, [(x, y)], dtype)  # the course's AMP step, timed
 
 
-def time_steps(r: Rank, args: argparse.Namespace) -> None:
+def time_steps(args: argparse.Namespace) -> None:
     """--time-steps N: median step time of DDP on a wide MLP, per-rank batch --batch (the GPU reference)."""
     from ..device import recommend_precision
 
-    prec = recommend_precision(r.device) if r.device.type == "cuda" else None
-    dtype = AMP_DTYPES[prec.precision if prec else "fp32"]
-    torch.manual_seed(args.seed)
-    ddp = DDP(_bench_model(args.width).to(r.device), device_ids=[r.local] if r.device.type == "cuda" else None)
-    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler(r.device.type, enabled=dtype == torch.float16)
-    ((x, y),) = synthetic_batches(1, args.batch, (args.width,), args.width // 4, device=r.device, seed=r.rank)
-    times = []
-    for i in range(args.time_steps + 5):  # 5 warm-up steps
-        if r.device.type == "cuda":
-            torch.cuda.synchronize(r.device)
-        t0 = time.perf_counter()
-        _bench_step(ddp, opt, scaler, x, y, dtype)
-        if r.device.type == "cuda":
-            torch.cuda.synchronize(r.device)
-        if i >= 5:
-            times.append((time.perf_counter() - t0) * 1e3)
-    gathered = [None] * r.world
-    dist.all_gather_object(gathered, statistics.median(times))
-    if r.rank == 0:
-        q = statistics.quantiles(times, n=4)
-        result = {
-            "median_ms": max(gathered),
-            "q1_ms": q[0],
-            "q3_ms": q[2],
-            "precision": prec.precision if prec else "fp32",
-            "world_size": r.world,
-            "batch_per_rank": args.batch,
-            "width": args.width,
-        }
-        (args.out / "timing.json").write_text(json.dumps(result))
-    r.say(f"median step {statistics.median(times):.2f} ms over {len(times)} steps", everyone=True)
+    local_rank = int(os.environ["LOCAL_RANK"])
+    cuda = args.backend == "nccl" or (args.backend == "auto" and torch.cuda.is_available())
+    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        prec = recommend_precision(device) if cuda else None
+        dtype = AMP_DTYPES[prec.precision if prec else "fp32"]
+        torch.manual_seed(args.seed)
+        ddp = DDP(_bench_model(args.width).to(device), device_ids=[local_rank] if cuda else None)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        ((x, y),) = synthetic_batches(1, args.batch, (args.width,), args.width // 4, device=device, seed=rank)
+        times = []
+        for i in range(args.time_steps + 5):  # 5 warm-up steps
+            if cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            _bench_step(ddp, opt, scaler, x, y, dtype)
+            if cuda:
+                torch.cuda.synchronize(device)
+            if i >= 5:
+                times.append((time.perf_counter() - t0) * 1e3)
+        gathered = _gather(statistics.median(times))
+        if rank == 0:
+            q = statistics.quantiles(times, n=4)
+            result = {
+                "median_ms": max(gathered),
+                "q1_ms": q[0],
+                "q3_ms": q[2],
+                "precision": prec.precision if prec else "fp32",
+                "world_size": world,
+                "batch_per_rank": args.batch,
+                "width": args.width,
+            }
+            (args.out / "timing.json").write_text(json.dumps(result))
+        print(f"[rank {rank}] median step {statistics.median(times):.2f} ms over {len(times)} steps", flush=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def _group_threads() -> list[str]:
@@ -382,64 +360,53 @@ def _group_threads() -> list[str]:
     return sorted(n for n in names if n.startswith(("gloo", "pt_gloo", "pt_tcpstore", "pt_nccl")))
 
 
-def teardown(finished: bool) -> list[str]:
-    """Destroy the process group, so that its threads end now, while the interpreter is whole; returns any left.
-
-    A group's C++ threads (gloo's run loops, its TCP loop) end only when the last reference to the group
-    goes. One still running at interpreter shutdown that needs the GIL there (to drop a tensor of the last
-    collective, to run a Python callback) aborts the process after its work is done: "terminate called
-    without an active exception", SIGABRT, most often when the cores are busy.
-    """
-    if dist.is_initialized():
-        try:
-            if finished:  # after an error, no barrier: the other ranks may be gone
-                dist.barrier()  # every rank past its last collective before any rank closes its connections
-        finally:
-            gc.collect()  # DDP's reducer and FSDP's modules sit in reference cycles, and they hold the group
-            dist.destroy_process_group()
-            gc.collect()
-    return _group_threads()
-
-
 @record  # torchrun's error file: the traceback appears in its summary too
 def main(argv: list[str] | None = None) -> None:
+    """Run `train` with the chapter's instruments (or, with --time-steps, the timing), then make sure that
+    the process group's threads are gone.
+
+    A group's C++ threads (gloo's run loops, its TCP loop) end only when the last reference to the group
+    goes, and DDP's reducer and FSDP's modules sit in reference cycles that hold it: hence gc.collect()
+    once `train` has destroyed the group. A thread still running at interpreter shutdown that needs the
+    GIL there (to drop a tensor of the last collective, to run a Python callback) aborts the process after
+    its work is done: "terminate called without an active exception", SIGABRT, most often when the cores
+    are busy.
+    """
     args = parse_args(argv)
-    r = Rank(args.backend)
+    rank = int(os.environ["RANK"])
     args.out.mkdir(parents=True, exist_ok=True)
-    finished = False
     try:
-        if r.device.type == "cuda":
-            torch.cuda.set_device(r.device)  # before anything touches CUDA: one GPU per process
-        dist.init_process_group(
-            r.backend,
-            timeout=timedelta(seconds=args.pg_timeout),
-            device_id=r.device if r.device.type == "cuda" else None,
-        )
-        r.say(
-            f"rank {r.rank} of {r.world}, local rank {r.local}, pid {os.getpid()}, {r.backend} on {r.device}, "
-            f"store {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
-            everyone=True,
-        )
-        (time_steps if args.time_steps else demo)(r, args)
-        finished = True
+        if args.time_steps:
+            time_steps(args)
+        else:
+            watch = Instruments(args)
+            train(args, watch)
+            if rank == 0:
+                watch.say("checkpoint.pt was written by rank 0 alone; the others waited at a barrier")
+            watch.say(
+                f"done: {watch.steps} optimizer steps, {watch.allreduces} gradient all-reduce calls, "
+                f"{watch.seconds:.1f} s of training",
+                everyone=True,
+            )
     except BaseException as e:
-        failure = {"rank": r.rank, "time": time.time(), "error": f"{type(e).__name__}: {e}"}
-        (args.out / f"failed_rank{r.rank}.json").write_text(json.dumps(failure))
+        failure = {"rank": rank, "time": time.time(), "error": f"{type(e).__name__}: {e}"}
+        (args.out / f"failed_rank{rank}.json").write_text(json.dumps(failure))
         raise
     finally:
-        left = teardown(finished)  # always, also after an error
+        gc.collect()  # train's DDP (and FSDP's modules) leave cycles that hold the destroyed group
+        left = _group_threads()
     if left:  # something unknown here still holds the group: shutting the interpreter down beside its threads
         # is what aborts, so leave without that (every output file is written and closed by now)
         print(
-            f"[rank {r.rank}] process-group threads outlived destroy_process_group: {', '.join(left)}; "
+            f"[rank {rank}] process-group threads outlived destroy_process_group: {', '.join(left)}; "
             "exiting without interpreter shutdown",
             file=sys.stderr,
             flush=True,
         )
         sys.stdout.flush()
         os._exit(0)
-    if r.rank == args.crash_at_exit:
-        print(f"[rank {r.rank}] injected crash at exit", file=sys.stderr, flush=True)
+    if rank == args.crash_at_exit:
+        print(f"[rank {rank}] injected crash at exit", file=sys.stderr, flush=True)
         os.abort()
 
 

@@ -7,9 +7,10 @@
     python -m course_lib.chapters.distributed record --json data/reference/ddp_<gpu>.json   # on GPUs
 
 launch(), DDPRun and torchrun_command() live in course_lib.chapters.ddp_launch (torchrun, its free
-port, timeout and logs, and every process stopped afterwards). This module checks what a run
-computed against a one-process reference, times DataParallel against DDP on GPUs, and holds the
-command line above.
+port, timeout and logs, and every process stopped afterwards); course_lib.chapters.ddp_worker is
+what every rank runs. This module checks what a run computed against a one-process reference,
+computes FSDP2's gradient inside a rank (ddp_worker --fsdp), times DataParallel (with
+AutocastForward) against DDP on GPUs, and holds the command line above.
 """
 
 from __future__ import annotations
@@ -19,23 +20,35 @@ import copy
 import functools
 import json
 import sys
+from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
+from ..models import MLP
 from .ddp_launch import DDPRun, launch
 
-__all__ = ["rel_diff", "reference_train", "training_state_bytes", "dp_vs_ddp", "format_timing_reference"]
+__all__ = [
+    "max_rel_diff",
+    "reference_train",
+    "training_state_bytes",
+    "AutocastForward",
+    "dp_vs_ddp",
+    "format_timing_reference",
+]
 
 
 # --------------------------------------------------------------------------- checking a run
 
 
-def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], start: dict | None = None) -> float:
-    """Chapter 08: how far apart two sets of tensors are: max|a - b| over all of them, divided by max|b|
-    or, given `start`, by max|b - start| (how far training moved them). 0.0: identical."""
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], start: dict | None = None) -> float:
+    """Chapter 08: how far apart two sets of tensors are: the largest |a - b| over all of them, divided by
+    the largest |b| or, given `start`, the largest |b - start| (how far training moved them). 0.0: identical.
+
+    Max-abs over named tensors; chapter 04's `rel_diff` is the L2 norm over one tensor."""
     diff = max((a[k].double() - b[k].double()).abs().max().item() for k in b)
     ref = b if start is None else {k: b[k].double() - start[k].double() for k in b}
     return diff / max(max(ref[k].double().abs().max().item() for k in b), 1e-30)
@@ -120,15 +133,96 @@ def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     return {k: sum(t.numel() * t.element_size() for t in ts) for k, ts in tensors.items()}
 
 
+# --------------------------------------------------------------------------- FSDP2, in a running rank
+
+
+def fsdp_gradient(
+    init: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, ddp_grads: dict, hidden: int, say: Callable
+) -> dict:
+    """In a running rank (ddp_worker --fsdp): the gradient of (x, y) at `init` again, with FSDP2, in fp32 and with
+    a bf16 policy; each rank keeps 1/world of every tensor. Compared with `ddp_grads`, DDP's gradient there."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    device, world = x.device, dist.get_world_size()
+    # FSDP2 on a CPU before torch 2.9, each found on the running torch: 2.6's CPU Stream lacks the no-op record_event/
+    # wait_event FSDP2 calls (added in 2.7, pytorch#145935), and 2.6's second all-gather in backward bumps the version
+    # counter of tensors forward saved (pytorch#136303), so there each layer stays gathered until backward; up to 2.8,
+    # gloo's reduce-scatter sums where FSDP2 asks for the average (pytorch#162338): `summed` undoes it in `full`.
+    old_cpu = device.type == "cpu" and not hasattr(torch.cpu.Stream, "record_event")
+    if old_cpu:
+        torch.cpu.Stream.record_event, torch.cpu.Stream.wait_event = lambda self: None, lambda self, event: None
+    summed = torch.zeros(1, device=device)
+    scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)  # the new name from torch 2.14
+    scatter(summed, torch.ones(world, device=device), op=dist.ReduceOp.AVG)  # 1: averaged
+    mesh = init_device_mesh(device.type, (world,))
+    result = {}
+    for name, policy in (
+        ("fp32", MixedPrecisionPolicy()),
+        ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+    ):
+        model = MLP(hidden=hidden, depth=1).to(device)
+        model.load_state_dict(init)
+        for layer in model.modules():
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=not old_cpu)  # per layer
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        logits = model(x)
+        F.cross_entropy(logits, y).backward()
+        full = {n: p.grad.full_tensor().cpu() / summed.item() for n, p in model.named_parameters()}  # a collective
+        diff = max_rel_diff(full, ddp_grads)
+        shapes = {n: [list(p.to_local().shape), list(p.shape)] for n, p in model.named_parameters()}
+        held = sum(p.to_local().numel() for p in model.parameters())
+        total = sum(p.numel() for p in model.parameters())
+        result[name] = {
+            "shapes": shapes,
+            "held": held,
+            "total": total,
+            "max_rel_diff_vs_ddp": diff,
+            "logits_dtype": str(logits.dtype).removeprefix("torch."),
+            "grad_dtype": str(next(model.parameters()).grad.dtype).removeprefix("torch."),
+        }
+        say(
+            f"FSDP2 {name}: holds {held:,} of {total:,} parameters; gradient vs DDP's: max rel. diff {diff:.1e}",
+            everyone=name == "fp32",
+        )
+    # DTensor's caches keep this mesh for the life of the process, and the mesh keeps its process groups:
+    # let go of them, or destroy_process_group cannot free the group (ddp_worker.main)
+    getattr(mesh, "_pg_registry", {}).clear()
+    return result
+
+
 # --------------------------------------------------------------------------- GPU reference: DP vs DDP
+
+
+class AutocastForward(nn.Module):
+    """Chapter 08: run `model`'s forward under autocast(dtype) in whichever thread calls it.
+
+    DataParallel runs each replica in a thread of its own and re-enters autocast there with
+    `enabled` alone (torch/nn/parallel/parallel_apply.py); the autocast dtype is per thread, so
+    the replicas fall back to the default, fp16 on CUDA, inside an outer bf16 region. Autocast in
+    the forward itself, as the AMP examples page does for DataParallel, carries the dtype along.
+    """
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.model, self.dtype = model, dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None):
+            return self.model(x)
+
+
+def _bench_model(width: int) -> nn.Module:
+    """A wide MLP for step timing: enough work per step that communication has something to hide behind."""
+    return MLP(in_features=width, hidden=width, depth=4, num_classes=width // 4)
 
 
 def dp_vs_ddp(width: int = 4096, batch: int = 256, steps: int = 30) -> list[dict]:
     """Chapter 08: step time on 1 GPU, DataParallel over all GPUs, DDP over all GPUs (same batch per GPU)."""
     from ..device import recommend_precision
     from ..timing import time_fn
-    from ..train import AMP_DTYPES
-    from .ddp_worker import AutocastForward, _bench_model, _bench_step
+    from ..train import AMP_DTYPES, amp_step
 
     prec = recommend_precision("cuda").precision
     dtype = AMP_DTYPES[prec]
@@ -141,7 +235,8 @@ def dp_vs_ddp(width: int = 4096, batch: int = 256, steps: int = 30) -> list[dict
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
         x, y = torch.randn(batch * n, width, device="cuda"), torch.randint(0, width // 4, (batch * n,), device="cuda")
-        t = time_fn(functools.partial(_bench_step, net, opt, scaler, x, y, dtype), warmup=5, iters=steps, device="cuda")
+        step = functools.partial(amp_step, net, opt, scaler, [(x, y)], dtype)  # the course's AMP step, timed
+        t = time_fn(step, warmup=5, iters=steps, device="cuda")
         rows.append(
             {
                 "mode": mode,
@@ -201,7 +296,7 @@ def format_timing_reference(ref: dict) -> str:
 def _check_run(run: DDPRun) -> str:
     p0, p1 = run.load("params_rank0.pt"), run.load("params_rank1.pt")
     if not all(torch.equal(p0[k], p1[k]) for k in p0):
-        raise AssertionError(f"ranks 0 and 1 ended with different parameters (rel diff {rel_diff(p0, p1):.2e})")
+        raise AssertionError(f"ranks 0 and 1 ended with different parameters (max rel diff {max_rel_diff(p0, p1):.2e})")
     return "ranks 0 and 1 hold identical parameters"
 
 

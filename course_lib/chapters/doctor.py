@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .doctor_catalog import PROBLEMS, SEEN, Finding, Report, findings, summary
-from .doctor_recorder import Recorder, _rng_state, _set_rng_state
+from .doctor_recorder import Recorder, restore_rng_states, rng_states
 
 __all__ = ["Finding", "Report", "diagnose", "PROBLEMS"]
 
@@ -186,7 +186,7 @@ def _grad_check(rec: Recorder, model: nn.Module, batches: list, loss_fn: Callabl
         ref.zero_grad(set_to_none=True)
         samples = sum(len(batches[j][1]) for j in range(lo, hi))  # the mean over all the window's samples
         for j, x in zip(range(lo, hi), xs):
-            _set_rng_state(rec.forwards[j][1])  # the same dropout masks as the loop's forward
+            restore_rng_states(rec.forwards[j][1])  # the same dropout masks as the loop's forward
             (loss_fn(ref(x), batches[j][1].to(x.device)) * len(batches[j][1]) / samples).backward()
         clip = [c for c in rec.events[: rec.events.index(e)] if c.kind == "clip" and c.info["forwards"] == hi]
         for c in clip[-1:]:  # clipped as the loop clipped
@@ -229,7 +229,7 @@ def diagnose(
     models_c, opts_c, scaler_c = copy.deepcopy((models, opts, scaler))
     for m in models_c:
         m.zero_grad(set_to_none=True)  # gradients left over in your notebook are not the loop's doing
-    batches, rng, error, caught = list(batches), _rng_state(), None, []
+    batches, rng, error, caught = list(batches), rng_states(), None, []
     check = accum_steps > 1 and loss_fn is not None and len(models) == 1 and len(opts) == 1
     rec = Recorder(models_c, opts_c, scaler_c, train, snapshots=check)
     enabled = scaler_c is not None and scaler_c.is_enabled()
@@ -259,7 +259,7 @@ def diagnose(
     if check and error is None:
         grads, note = _grad_check(rec, models[0], batches, loss_fn)
         found, notes = {**grads, **found}, [note, *notes]
-    _set_rng_state(rng)
+    restore_rng_states(rng)
     scales = (
         (scaler.get_scale(), scaler_c.get_scale())
         if enabled

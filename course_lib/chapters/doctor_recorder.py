@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from .doctor_catalog import Event
 
 __all__: list[str] = []  # Recorder: the doctor's and exercise 05's probe's instrument, not a learner's
+# (nor are rng_states and restore_rng_states, public for the doctor's replays)
 
 
 class Recorder:
@@ -174,7 +175,7 @@ class Recorder:
         dtype = torch.get_autocast_dtype(self.device_type) if on else None
         self.events.append(Event("forward", i, on, {"dtype": dtype}))
         x = args[0] if args and isinstance(args[0], torch.Tensor) and self.snapshots else None
-        self.forwards.append((None if x is None else x.detach().clone(), _rng_state()))
+        self.forwards.append((None if x is None else x.detach().clone(), rng_states()))
 
     def _on_scale(self, outputs, *a, **k) -> Callable:
         def run(old: Callable):
@@ -269,11 +270,13 @@ class Recorder:
         return lambda old: old(params, *args[1:], **kwargs)
 
 
-def _rng_state() -> tuple[torch.Tensor, list | None]:
+def rng_states() -> tuple[torch.Tensor, list | None]:
+    """The CPU generator's state and every CUDA generator's (None without CUDA): what a forward's dropout draws."""
     return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
 
 
-def _set_rng_state(state: tuple[torch.Tensor, list | None]) -> None:
+def restore_rng_states(state: tuple[torch.Tensor, list | None]) -> None:
+    """Put back what rng_states() returned, so that a forward replays with the same dropout masks."""
     torch.set_rng_state(state[0])
     if state[1] is not None:  # dropout on CUDA draws from the CUDA generators
         torch.cuda.set_rng_state_all(state[1])

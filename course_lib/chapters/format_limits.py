@@ -4,7 +4,7 @@ Chapter 01 introduces everything here, after the bit layouts of `formats`. torch
 again: a number goes through torch's own conversion, so a table, a gap or a fate is what
 PyTorch does, not what a textbook says it should.
 
-    print(format_table_text())      # range and precision of every format, from torch.finfo
+    print(format_limits_table())    # range and precision of every format, from torch.finfo
     spacing(1000.0, "bf16")         # the gap to the next number up: one ulp
     fate(70000.0, "fp16")           # "overflow" | "underflow" | "subnormal" | "normal" ...
     sum_experiment()                # adding 1e-4 ten thousand times: the sum that stalls
@@ -18,16 +18,17 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .formats import Format, _from_unsigned, _storage, _to_unsigned, get_format
+from .formats import Format, from_unsigned, get_format, storage_format, to_unsigned
 
-__all__ = ["format_table", "format_table_text", "spacing", "fate", "fates", "sum_experiment", "fp8_roundtrip"]
+__all__ = ["limits_table", "format_limits_table", "spacing", "fate", "fates", "sum_experiment", "fp8_roundtrip"]
 
 
 # --------------------------------------------------------------------------- range and precision
 
 
-def format_table(names: Iterable[str] = ("fp32", "tf32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2")) -> list[dict]:
-    """Chapter 01: range and precision of each format, read from torch.finfo where torch has the dtype.
+def limits_table(names: Iterable[str] = ("fp32", "tf32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2")) -> list[dict]:
+    """Chapter 01: range and precision of each format, one dict per format, read from torch.finfo
+    where torch has the dtype (format_limits_table prints them).
 
     torch.finfo has no smallest subnormal; it is smallest_normal * eps (2^(1-bias) * 2^-m),
     exact because both are powers of two. tf32 has no dtype, so its row comes from its layout.
@@ -68,14 +69,14 @@ def format_table(names: Iterable[str] = ("fp32", "tf32", "fp16", "bf16", "fp8_e4
     return rows
 
 
-def format_table_text(names: Iterable[str] = ("fp32", "tf32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2")) -> str:
-    """Chapter 01: format_table as fixed-width text, lines under 100 characters (deterministic, so
+def format_limits_table(names: Iterable[str] = ("fp32", "tf32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2")) -> str:
+    """Chapter 01: limits_table as fixed-width text, lines under 100 characters (deterministic, so
     the notebook test compares it). "layout only": tf32 has no dtype, its row comes from its bits."""
     out = [
         f"{'format':<11}{'layout':>9}{'bias':>6}{'max':>12}{'min normal':>12}{'min subnormal':>15}"
         f"{'eps':>11}{'digits':>8}  source"
     ]
-    for r in format_table(names):
+    for r in limits_table(names):
         sub = "n/a" if r["smallest_subnormal"] is None else f"{r['smallest_subnormal']:.3e}"
         out.append(
             f"{r['format']:<11}{'1+%d+%d' % (r['exponent_bits'], r['mantissa_bits']):>9}{r['bias']:>6}"
@@ -93,13 +94,13 @@ def spacing(x: float | Sequence[float] | torch.Tensor, fmt: str | torch.dtype | 
     works for fp8, where torch.nextafter is not implemented. NaN where x is out of the format's
     range (including e4m3fn, which saturates instead of overflowing) or is NaN.
     """
-    f = _storage(fmt)
+    f = storage_format(fmt)
     x = torch.as_tensor(x, dtype=torch.float64).abs()
     t = x.to(f.dtype)
-    p = _to_unsigned(t.view(f.int_dtype), f)
+    p = to_unsigned(t.view(f.int_dtype), f)
     v = t.to(torch.float64)
-    up = _from_unsigned(p + 1, f).to(torch.float64)
-    down = _from_unsigned(torch.clamp(p - 1, min=0), f).to(torch.float64)
+    up = from_unsigned(p + 1, f).to(torch.float64)
+    down = from_unsigned(torch.clamp(p - 1, min=0), f).to(torch.float64)
     gap = torch.where(torch.isfinite(up), up - v, v - down)
     # out of range: inf, or (e4m3fn, which saturates) beyond the rounding threshold
     inside = torch.isfinite(v) & (x <= overflow_threshold(f))
@@ -148,11 +149,18 @@ def fate(x: float, fmt: str | torch.dtype | Format) -> str:
     return "normal"
 
 
-def fates(t: torch.Tensor, fmt: str | torch.dtype | Format) -> dict[str, float]:
-    """Chapter 01: the fraction of the non-zero finite entries of t that overflow, underflow,
-    become subnormal or stay normal when converted to the format (by torch)."""
-    f = _storage(fmt)
+def fates(t: torch.Tensor, fmt: str | torch.dtype | Format, scale: float | None = None) -> dict[str, float]:
+    """Chapter 01: the fraction of the non-zero finite entries of t that overflow, underflow (become 0),
+    become subnormal or stay normal when converted to the format (by torch): `fate`'s classes, counted.
+
+    With `scale`, each entry is first multiplied by it as GradScaler's scale() does: a float32 times
+    the scale held as a float32, rounded once to float32 (chapter 03's `fates_at_scales`). An entry
+    whose product is 0 or inf still counts, as "underflow" or "overflow".
+    """
+    f = storage_format(fmt)
     t = t[(t != 0) & torch.isfinite(t)]
+    if scale is not None:
+        t = t.float() * torch.tensor(scale, dtype=torch.float32)  # float32 x float32 -> float32
     r = t.to(f.dtype).to(torch.float64)
     # e4m3fn has no inf: out of range is beyond the threshold (the tie 464 goes to 448), judged on the float32
     over = torch.isinf(r) if f.has_inf else t.abs().float().double() > overflow_threshold(f)  # torch converts
@@ -181,8 +189,8 @@ def running_sum(
     `accumulator`, which defaults to `fmt` itself. One Python-level addition per value, so
     nothing (no vectorised kernel, no hidden fp32 accumulator) changes the order or precision.
     """
-    f = _storage(fmt)
-    acc = _storage(accumulator) if accumulator is not None else f
+    f = storage_format(fmt)
+    acc = storage_format(accumulator) if accumulator is not None else f
     v = torch.as_tensor(values, dtype=torch.float64).to(f.dtype).to(acc.dtype)
     s = torch.zeros((), dtype=acc.dtype)
     out = torch.empty(len(v), dtype=torch.float64)
@@ -205,7 +213,7 @@ def sum_experiment(
     rows = []
     exact = n * increment
     for name in formats:
-        f = _storage(name)
+        f = storage_format(name)
         ways = {"naive": running_sum([increment] * n, f)}
         if name != "fp32":
             ways["fp32 acc"] = running_sum([increment] * n, f, "fp32")
@@ -241,7 +249,7 @@ def fp8_roundtrip(
     entry lands on the format's max (the per-tensor scaling of fp8 training recipes), and the
     scale is divided out after the round trip.
     """
-    f = _storage(fmt)
+    f = storage_format(fmt)
     amax = t.abs().max().item()
     scale = f.max / amax if scaled and amax > 0 else 1.0
     return (t * scale).to(f.dtype).to(t.dtype) / scale, scale

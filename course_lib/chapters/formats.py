@@ -6,7 +6,7 @@ see is exactly what PyTorch stores, not what a textbook says it should.
 
     decompose(0.1, "bf16")          # sign / exponent / mantissa, kind, stored value, error
 
-What a format's range and precision do to numbers (format_table, spacing, fate, ...) is in format_limits.
+What a format's range and precision do to numbers (limits_table, spacing, fate, ...) is in format_limits.
 
 A value of a format with e exponent bits and m mantissa bits is
     normal     (-1)^s * 2^(E - bias) * 1.M      for 0 < E < all ones   (bias = 2^(e-1) - 1)
@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["FORMATS", "STORAGE_FORMATS", "get_format", "all_values", "decompose"]
+# storage_format, to_unsigned and from_unsigned are public for format_limits; no chapter calls them (not in __all__)
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,11 @@ def get_format(fmt: str | torch.dtype | Format) -> Format:
     return FORMATS[key]
 
 
-def _storage(fmt: str | torch.dtype | Format) -> Format:
+def storage_format(fmt: str | torch.dtype | Format) -> Format:
+    """get_format for a format a tensor can have (every one but tf32, which raises and says why).
+
+    A helper of this module and of format_limits, which convert numbers with torch: no chapter calls it.
+    """
     f = get_format(fmt)
     if f.dtype is None:
         raise ValueError(
@@ -148,13 +153,17 @@ def _storage(fmt: str | torch.dtype | Format) -> Format:
 # --------------------------------------------------------------------------- bits <-> values
 
 
-def _to_unsigned(p: torch.Tensor, f: Format) -> torch.Tensor:
-    """Bit patterns read with view() (int16/int32 are signed) as non-negative int64."""
+def to_unsigned(p: torch.Tensor, f: Format) -> torch.Tensor:
+    """Bit patterns read with view() (int16/int32 are signed) as non-negative int64.
+
+    With from_unsigned, the bits <-> values layer under to_bits, from_bits, all_values and
+    format_limits.spacing (the next pattern up is the next number up); no chapter calls it.
+    """
     return p.to(torch.int64) & (2**f.bits - 1)
 
 
-def _from_unsigned(p: torch.Tensor, f: Format) -> torch.Tensor:
-    """Non-negative int64 patterns -> tensor of the format (values, not conversions)."""
+def from_unsigned(p: torch.Tensor, f: Format) -> torch.Tensor:
+    """Non-negative int64 patterns -> tensor of the format (values, not conversions): to_unsigned's inverse."""
     p = p.to(torch.int64) % 2**f.bits
     if f.int_dtype != torch.uint8:  # signed view: patterns with the top bit set are negative ints
         p = torch.where(p >= 2 ** (f.bits - 1), p - 2**f.bits, p)
@@ -168,32 +177,32 @@ def round_to(x: float | Sequence[float] | torch.Tensor, fmt: str | torch.dtype |
     float32, so a float64 that is not also a float32 can be rounded twice (off by one unit in the
     last place, only within 2^-24 relative of a tie). Pass float32 tensors to avoid that.
     """
-    f = _storage(fmt)
+    f = storage_format(fmt)
     t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float64)
     return t.to(f.dtype).to(torch.float64)
 
 
 def to_bits(x: float, fmt: str | torch.dtype | Format) -> int:
     """The bit pattern (as an unsigned int) torch stores for x in the format."""
-    f = _storage(fmt)
+    f = storage_format(fmt)
     stored = torch.tensor([float(x)], dtype=torch.float64).to(f.dtype)
-    return int(_to_unsigned(stored.view(f.int_dtype), f)[0])
+    return int(to_unsigned(stored.view(f.int_dtype), f)[0])
 
 
 def from_bits(pattern: int, fmt: str | torch.dtype | Format) -> float:
     """The value a bit pattern means in the format (decoded by torch)."""
-    f = _storage(fmt)
+    f = storage_format(fmt)
     if not 0 <= pattern < 2**f.bits:
         raise ValueError(f"{f.name} patterns are {f.bits}-bit: 0 <= pattern < {2**f.bits}, got {pattern}")
-    return float(_from_unsigned(torch.tensor([pattern]), f).to(torch.float64)[0])
+    return float(from_unsigned(torch.tensor([pattern]), f).to(torch.float64)[0])
 
 
 def all_values(fmt: str | torch.dtype | Format) -> torch.Tensor:
     """Chapter 01: the value of every bit pattern 0 .. 2^bits - 1 of an 8- or 16-bit format (float64)."""
-    f = _storage(fmt)
+    f = storage_format(fmt)
     if f.bits > 16:
         raise ValueError(f"{f.name} has 2^{f.bits} patterns: too many to list")
-    return _from_unsigned(torch.arange(2**f.bits), f).to(torch.float64)
+    return from_unsigned(torch.arange(2**f.bits), f).to(torch.float64)
 
 
 def split_bits(pattern: int, fmt: str | torch.dtype | Format) -> tuple[int, int, int]:
@@ -270,7 +279,7 @@ def _kind(f: Format, exponent_field: int, mantissa: int) -> str:
 
 def decode(pattern: int, fmt: str | torch.dtype | Format) -> Decomposed:
     """What a bit pattern means (its input is its own value, so the error is 0)."""
-    f = _storage(fmt)
+    f = storage_format(fmt)
     value = from_bits(pattern, f)
     return _decomposed(f, value, pattern, value)
 
@@ -282,7 +291,7 @@ def decompose(x: float, fmt: str | torch.dtype | Format) -> Decomposed:
     '0 01111 0000000000'
     The rounding is torch's (round to nearest, ties to even; see round_to for float64 inputs).
     """
-    f = _storage(fmt)
+    f = storage_format(fmt)
     x = float(x)
     pattern = to_bits(x, f)
     return _decomposed(f, x, pattern, from_bits(pattern, f))

@@ -34,7 +34,7 @@ from ..timing import peak_memory_bytes, saved_tensor_bytes, time_fn
 from ..train import AMP_DTYPES, StepResult, amp_step
 from .bench import mixed_precision_for, step_row
 from .matmul import matmul_tflops, peak_tflops, tf32
-from .rungs import Rung, _with_speedup, climb, compiles_quickly, course_ladder, format_rows
+from .rungs import Rung, climb, compiles_quickly, course_ladder, format_rows, with_speedup
 from .targets import format_targets, targets
 
 __all__ = [
@@ -113,7 +113,7 @@ def resnet50_ladder(
                     ),
                 }
             )
-    return _with_speedup(rows)
+    return with_speedup(rows)
 
 
 def largest_batch(
@@ -246,7 +246,7 @@ def gpt_ladder(
             }
         )
         del model, opt, step
-    return _with_speedup(rows)
+    return with_speedup(rows)
 
 
 def matmul_ceiling(device: str = "auto") -> float | None:
@@ -290,7 +290,7 @@ def optimizer_table(device: str = "auto", steps: int | None = None) -> list[dict
                 "times_ms": timing.times_ms,
             }
         )
-    return _with_speedup(rows)
+    return with_speedup(rows)
 
 
 class _Checkpointed(torch.nn.Module):
@@ -339,7 +339,7 @@ def checkpointing_table(device: str = "auto", steps: int | None = None) -> list[
             }
         )
         del model, opt, step
-    return _with_speedup(rows)
+    return with_speedup(rows)
 
 
 def main(argv: list[str] | None = None) -> int:

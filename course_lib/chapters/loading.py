@@ -42,7 +42,7 @@ __all__ = [
     "DeviceLoader",
     "copy_timings",
     "format_copy_rows",
-    "format_reference",
+    "format_loading_reference",
 ]
 
 
@@ -299,7 +299,7 @@ def format_copy_rows(rows: Sequence[dict]) -> str:
     )
 
 
-def format_reference(ref: dict) -> str:
+def format_loading_reference(ref: dict) -> str:
     """Chapter 07: a recorded loading_<gpu>.json: the copy table and the loader sweep."""
     parts = [format_copy_rows(ref["copies"])] if ref.get("copies") else []
     if ref.get("sweep"):
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     workers = args.workers or _sweep_workers()
     payload = {"copies": copies, "sweep": _sweep_record(64, workers, args.demand, args.steps)}
     command = "python -m course_lib.chapters.loading " + " ".join(argv if argv is not None else sys.argv[1:])
-    record(command, format_reference(payload), args.json, **payload)
+    record(command, format_loading_reference(payload), args.json, **payload)
     return 0
 
 

@@ -45,7 +45,7 @@ __all__ = [
     "image_grid",
     "penalty_backward",
     "penalty_reference",
-    "format_reference",
+    "format_gan_reference",
 ]
 
 
@@ -339,7 +339,7 @@ def _gan_timing(images: torch.Tensor, mode: AmpMode, batch_size: int, iters: int
     return time_fn(lambda: gan_step(gen, disc, opt_g, opt_d, scaler, real, z, mode), warmup=5, iters=iters, device=dev)
 
 
-def format_reference(ref: dict) -> str:
+def format_gan_reference(ref: dict) -> str:
     """Chapter 05: the recorded GPU results (GAN per mode: skipped steps, final scale, time per iteration)."""
     out = [f"{'mode':<20}{'D skipped':>10}{'G skipped':>10}{'final scale':>13}{'ms / iteration (middle half)':>32}"]
     for r in ref["rows"]:
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     command = "python -m course_lib.chapters.multi " + " ".join(argv if argv is not None else sys.argv[1:])
-    record(command, format_reference({"rows": rows}), args.json, rows=rows, steps=args.steps, batch=args.batch)
+    record(command, format_gan_reference({"rows": rows}), args.json, rows=rows, steps=args.steps, batch=args.batch)
     return 0
 
 

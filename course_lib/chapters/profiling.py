@@ -46,7 +46,7 @@ from .measured_steps import (
     read_timing_ways,
     sync_cost,
 )
-from .traces import DIAGNOSES, FIXES, diagnose, format_summary, load_trace, trace_summary
+from .traces import DIAGNOSES, FIXES, diagnose_trace, format_summary, load_trace, trace_summary
 
 __all__ = [
     "trace_folder",
@@ -55,7 +55,7 @@ __all__ = [
     "format_schedule",
     "key_average_rows",
     "format_key_averages",
-    "format_reference",
+    "format_profiling_reference",
 ]
 
 # Kineto and c10 write start/stop banners (and, on a machine without a GPU, a CUDA error) straight
@@ -247,7 +247,7 @@ def format_key_averages(rows: list[dict], sort_by: str = "self_cpu_ms", limit: i
     return "\n".join(out)
 
 
-def format_reference(ref: dict, part: str) -> str:
+def format_profiling_reference(ref: dict, part: str) -> str:
     """Chapter 06: one part of a recorded data/reference/profiling_<gpu>.json as text:
     "steps", "bottlenecks", "sync", "timing" or "memory"."""
     out = []
@@ -344,7 +344,7 @@ def _record_all(device: str) -> dict:
             }
         for name, step in bottleneck_steps(str(dev)).items():
             s = summary(step, name)
-            out["bottlenecks"][name] = {"summary": s, "diagnosis": list(diagnose(s))}
+            out["bottlenecks"][name] = {"summary": s, "diagnosis": list(diagnose_trace(s))}
 
         def fresh_step() -> Callable[[], object]:
             t, b = make_trainer("fp32", str(dev))

@@ -29,9 +29,14 @@ from ..train import TrainConfig, Trainer
 from .bench import mixed_precision_for
 
 __all__ = ["Rung", "climb", "COURSE_RUNGS", "compiles_quickly", "course_ladder", "format_rows", "read_rungs"]
+# with_speedup is public for ladder's full-size ladders; no chapter calls it (not in __all__)
 
 
-def _with_speedup(rows: list[dict]) -> list[dict]:
+def with_speedup(rows: list[dict]) -> list[dict]:
+    """`rows` with each timed row's "speedup" against the first timed one (its ms_per_step over theirs).
+
+    Every ladder's rows end here (course_ladder and ladder's full-size ladders); no chapter calls it.
+    """
     base = next(r["ms_per_step"] for r in rows if "ms_per_step" in r)
     for r in rows:
         if "ms_per_step" in r:
@@ -179,7 +184,7 @@ def course_ladder(
             }
         )
         del trainer, model, opt
-    return _with_speedup(rows)
+    return with_speedup(rows)
 
 
 # --------------------------------------------------------------------------- tables

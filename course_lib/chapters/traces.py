@@ -7,7 +7,7 @@ in microseconds. Perfetto (https://ui.perfetto.dev) shows it; this module reads 
 
     trace = load_trace(path)
     summary = trace_summary(trace)     # one step: its time, and each top-level op's CPU and kernel time
-    diagnose(summary)                  # ('data', 'more_workers'), ('overhead', ...), ('compute', ...)
+    diagnose_trace(summary)            # ('data', 'more_workers'), ('overhead', ...), ('compute', ...)
     plot_timeline(trace)               # the profiled steps as a picture
 """
 
@@ -24,19 +24,19 @@ __all__ = [
     "FIXES",
     "load_trace",
     "trace_summary",
-    "diagnose",
+    "diagnose_trace",
     "format_summary",
     "matmul_share",
     "plot_timeline",
 ]
 
-# Each bottleneck diagnose() can name, in words (diagnose() returns the key).
+# Each bottleneck diagnose_trace() can name, in words (diagnose_trace() returns the key).
 DIAGNOSES = {
     "data": "waiting for data",
     "overhead": "per-op overhead (many small ops)",
     "compute": "compute (the kernels are the step)",
 }
-# What to do about each diagnosis (diagnose() returns the key).
+# What to do about each diagnosis (diagnose_trace() returns the key).
 FIXES = {
     "more_workers": "load and transform batches in DataLoader workers (num_workers > 0; chapter 07)",
     "fewer_launches": "fewer, larger ops: bigger batches, foreach/fused optimizers, torch.compile, CUDA graphs",
@@ -176,7 +176,7 @@ def _stats(summary: dict) -> dict:
     return {"data": data / step, "busy": busy / step, "kernels": kernels, "kernel_us": 1e3 * busy / max(kernels, 1)}
 
 
-def diagnose(summary: dict) -> tuple[str, str]:
+def diagnose_trace(summary: dict) -> tuple[str, str]:
     """Chapter 06: (bottleneck, fix) for a trace_summary, by the chapter's three questions.
 
     1. Is >= 30% of the step spent in the DataLoader? -> ("data", "more_workers").

@@ -3,11 +3,12 @@
 Chapter 03. One fp32 backward gives every gradient value a model makes (the activations' gradients
 handed from layer to layer, and the parameters' .grad). Multiplied by a scale and stored in fp16,
 each becomes 0 (below 2^-24), a subnormal with fewer significant bits, a normal number, or inf
-(above 65504): `fates` counts them, `plot_gradient_histograms` shows them against fp16's ranges.
-The scale is applied as GradScaler applies it (course_lib.chapters.scaler holds the scale's rule).
+(above 65504): `fates_at_scales` counts them, with chapter 01's classification (format_limits.fates)
+at each scale, and `plot_gradient_histograms` shows them against fp16's ranges. The scale is applied
+as GradScaler applies it (course_lib.chapters.scaler holds the scale's rule).
 
     g = gradient_sample(model, x, y)
-    print(format_fates(fates(g["activations"], [1.0, 2.0**16])))   # % that become 0, subnormal, normal, inf
+    print(format_fates(fates_at_scales(g["activations"], [1.0, 2.0**16])))   # % that become 0, subnormal, ...
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .format_limits import fates
 from .scaler import f32
 
-__all__ = ["gradient_sample", "fates", "format_fates", "plot_gradient_histograms"]
+__all__ = ["gradient_sample", "fates_at_scales", "format_fates", "plot_gradient_histograms"]
 
 FP16_MAX = 65504.0
 FP16_TINY = 2.0**-14  # smallest normal fp16
@@ -54,33 +56,21 @@ def gradient_sample(
     return {"activations": torch.cat(acts), "parameters": params}
 
 
-def fates(values: torch.Tensor, scales: Sequence[float] = (1.0,), dtype: torch.dtype = torch.float16) -> list[dict]:
-    """Chapter 03: the non-zero `values` times each scale, stored in `dtype`: the fractions that become 0,
-    land among the subnormals (fewer significant bits), stay normal, or overflow to inf.
+def fates_at_scales(
+    values: torch.Tensor, scales: Sequence[float] = (1.0,), dtype: torch.dtype = torch.float16
+) -> list[dict]:
+    """Chapter 03: the non-zero `values` times each scale, stored in `dtype`: one row per scale with the
+    fractions that underflow (become 0), land among the subnormals (fewer significant bits), stay normal,
+    or overflow to inf. Each row is chapter 01's format_limits.fates at that scale, plus "scale" and "n".
 
     The product is computed as GradScaler's `scale()` computes it: a float32 times the scale held as a
     float32, rounded once to float32, then stored in `dtype`. (A float64 product would be rounded to
     float64, then to float32 by torch's conversion, then to `dtype`: near a threshold that can differ
-    when the scale is not a float32 number, e.g. 1e-3.) The row's "scale" is that float32 scale.
+    when the scale is not a float32 number, e.g. 1e-3.) The row's "scale" is that float32 scale; "n"
+    counts the non-zero finite values, which every fraction divides.
     """
-    v = values[values != 0].float()
-    tiny, rows = torch.finfo(dtype).tiny, []
-    for s in map(f32, scales):  # GradScaler's scale is a float32 tensor
-        h = (v * torch.tensor(s, dtype=torch.float32)).to(dtype).abs()  # float32 x float32 -> float32 -> dtype
-        zero, inf = int((h == 0).sum()), int(torch.isinf(h).sum())
-        sub = int(((h > 0) & (h < tiny)).sum())
-        n = max(1, v.numel())
-        rows.append(
-            {
-                "scale": float(s),
-                "n": v.numel(),
-                "zero": zero / n,
-                "subnormal": sub / n,
-                "normal": (v.numel() - zero - inf - sub) / n,
-                "overflow": inf / n,
-            }
-        )
-    return rows
+    n = int(((values != 0) & torch.isfinite(values)).sum())
+    return [{"scale": s, "n": n, **fates(values, dtype, scale=s)} for s in map(f32, scales)]
 
 
 def _pow2(s: float) -> str:
@@ -89,7 +79,7 @@ def _pow2(s: float) -> str:
 
 
 def format_fates(rows: Sequence[dict], dtype: torch.dtype = torch.float16) -> str:
-    """Chapter 03: fates() as a table, in percent of the non-zero values."""
+    """Chapter 03: fates_at_scales() as a table, in percent of the non-zero values."""
     name = str(dtype).removeprefix("torch.")
     out = [
         f"{'scale':>8}  {'become 0':>9} {'subnormal':>10} {'normal':>8} {'overflow':>9}   "
@@ -97,7 +87,7 @@ def format_fates(rows: Sequence[dict], dtype: torch.dtype = torch.float16) -> st
     ]
     for r in rows:
         out.append(
-            f"{_pow2(r['scale']):>8}  {100 * r['zero']:>9.3f} {100 * r['subnormal']:>10.3f} "
+            f"{_pow2(r['scale']):>8}  {100 * r['underflow']:>9.3f} {100 * r['subnormal']:>10.3f} "
             f"{100 * r['normal']:>8.3f} {100 * r['overflow']:>9.3f}"
         )
     return "\n".join(out)

@@ -56,6 +56,7 @@ __all__ = [
     "expect_numbers",
     "expect_list",
     "expect_dict",
+    "describe_value",
     "respond",
     "judge_response",
     "serve",
@@ -197,8 +198,9 @@ def checks_for(chapter: str) -> list[Check]:
 # --------------------------------------------------------------------------- answers of the right shape
 
 
-def _kind(value: Any) -> str:
-    """How a plain value is named in a message: 'a list of 3', 'the number 2.5', 'None'."""
+def describe_value(value: Any) -> str:
+    """How a plain value is named in a check's message: 'a list of 3', 'the number 2.5', 'None'
+    (what the expect_* helpers say a wrong answer was; a check's own shape tests say it the same way)."""
     if value is None:
         return "None"
     if isinstance(value, bool):
@@ -218,7 +220,7 @@ def expect_number(value: Any, where: str, *, finite: bool = True, integer: bool 
     """`value` as a number, or a CheckFailure that says what was expected (bools are not numbers)."""
     ok = isinstance(value, int) if integer else isinstance(value, (int, float))
     if isinstance(value, bool) or not ok:
-        raise CheckFailure(f"{where}: expected {'an integer' if integer else 'a number'}, got {_kind(value)}")
+        raise CheckFailure(f"{where}: expected {'an integer' if integer else 'a number'}, got {describe_value(value)}")
     if finite and not math.isfinite(value):
         raise CheckFailure(f"{where}: expected a finite number, got {value!r}")
     return value
@@ -227,7 +229,7 @@ def expect_number(value: Any, where: str, *, finite: bool = True, integer: bool 
 def expect_list(value: Any, where: str, length: int | None = None, *, at_least: int = 0) -> list:
     """`value` as a list (of `length` items, or at least `at_least`), or a CheckFailure saying so."""
     if not isinstance(value, list):
-        raise CheckFailure(f"{where}: expected a list, got {_kind(value)}")
+        raise CheckFailure(f"{where}: expected a list, got {describe_value(value)}")
     if length is not None and len(value) != length:
         raise CheckFailure(f"{where}: expected a list of {length}, got a list of {len(value)}")
     if len(value) < at_least:
@@ -238,7 +240,7 @@ def expect_list(value: Any, where: str, length: int | None = None, *, at_least: 
 def expect_dict(value: Any, where: str, keys: tuple[str, ...] | list[str]) -> dict:
     """`value` as a dict that has every key in `keys`, or a CheckFailure naming the missing ones."""
     if not isinstance(value, dict):
-        raise CheckFailure(f"{where}: expected a dict with keys {list(keys)}, got {_kind(value)}")
+        raise CheckFailure(f"{where}: expected a dict with keys {list(keys)}, got {describe_value(value)}")
     missing = [k for k in keys if k not in value]
     if missing:
         raise CheckFailure(f"{where}: the answer lacks {missing} (expected keys {list(keys)})")

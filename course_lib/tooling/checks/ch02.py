@@ -9,7 +9,7 @@ import torch
 
 from ...chapters.autocast_dtypes import module_dtypes
 from ...chapters.autocast_policy import LOW_PRECISION, fake_cuda_available, output_dtype
-from ..grading import Check, CheckFailure, _kind, expect_dict, expect_list, register
+from ..grading import Check, CheckFailure, describe_value, expect_dict, expect_list, register
 from ..probes.ch02 import MYSTERY, STANDARD, build, dtype_of
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
@@ -108,7 +108,7 @@ def _sqdist64(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _tensor(value: object, where: str, what: str, shape: tuple[int, ...], of: str) -> torch.Tensor:
     """A tensor the probe sent back ({"array": ..., "dtype": ...}) as float64, of `shape`, all finite."""
     if not (isinstance(value, dict) and isinstance(value.get("array"), list)):
-        raise CheckFailure(f"{where}: expected {what} to be a {shape} tensor of {of}, got {_kind(value)}")
+        raise CheckFailure(f"{where}: expected {what} to be a {shape} tensor of {of}, got {describe_value(value)}")
     t = torch.tensor(value["array"], dtype=torch.float64)
     if tuple(t.shape) != shape:
         raise CheckFailure(f"{where}: expected {what} to be a {shape} tensor of {of}, got shape {tuple(t.shape)}")
