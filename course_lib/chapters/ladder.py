@@ -322,7 +322,7 @@ def checkpointing_table(device: str = "auto", steps: int | None = None) -> list[
         scaler = torch.amp.GradScaler(dev.type, enabled=amp == "fp16")
         step = _gpt_step(model, opt, x, x, amp, scaler)
         timing = time_fn(step, warmup=2, iters=steps or (10 if dev.type == "cuda" else 3), device=dev)
-        dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+        dtype = AMP_DTYPES[amp]
         with torch.autocast(dev.type, dtype=dtype):
             saved = sum(saved_tensor_bytes(lambda m=model: m(x, x)[1]).values())
         peak = peak_memory_bytes(step, dev)
