@@ -171,9 +171,13 @@ def _bind_scope(nb: Notebook, cell: int, body: list[ast.stmt]) -> None:
             for target in targets:
                 for name in _targets(target):
                     _bind(nb, name, _Binding(cell, stmt))
-        elif isinstance(stmt, (ast.For, ast.AsyncFor, ast.With, ast.AsyncWith, ast.NamedExpr)):
-            for name in _targets(stmt.target if isinstance(stmt, (ast.For, ast.AsyncFor)) else stmt):
+        elif isinstance(stmt, (ast.For, ast.AsyncFor)):
+            for name in _targets(stmt.target):
                 _bind(nb, name, _Binding(cell, stmt))
+        elif isinstance(stmt, (ast.With, ast.AsyncWith)):  # `with open(...) as f`: f; the body is bound below
+            for item in stmt.items:
+                for name in _targets(item.optional_vars) if item.optional_vars is not None else []:
+                    _bind(nb, name, _Binding(cell, stmt))
         if isinstance(stmt, (ast.If, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try)):
             for block in ("body", "orelse", "finalbody"):
                 _bind_scope(nb, cell, getattr(stmt, block, []) or [])
