@@ -25,7 +25,7 @@ help:
 	@echo "make test       run every test: library, notebooks (nbval), grading, exercises in sync"
 	@echo "make test-gpu   the same suite with the current python3 and the GPU cells forced on"
 	@echo "make test-floor library tests and chapters on the LOWEST torch/torchvision pyproject.toml allows (.venv-floor)"
-	@echo "make bench      FP32 / TF32 / AMP table for this machine (python -m course_lib.chapters.bench)"
+	@echo "make bench      FP32 / TF32 / AMP table for this machine (python -m course_lib.chapters.ch00.bench)"
 	@echo "make exercises  regenerate exercises/ from solutions/"
 	@echo "make stamp      write the Colab badge and setup cell (from pyproject.toml) into every notebook"
 	@echo "make grade SUBMISSIONS=dir [GRADEBOOK=dir] [JOBS=n]   grade a folder of submissions (resumes)"
@@ -109,7 +109,7 @@ test-floor: $(FLOOR_STAMP)
 	$(FLOOR_VPY) -m pytest $(FLOOR_SUITE) $(NBVAL) -p no:cacheprovider
 
 bench: $(STAMP)
-	$(VPY) -m course_lib.chapters.bench
+	$(VPY) -m course_lib.chapters.ch00.bench
 
 exercises: $(STAMP)
 	$(VPY) -m course_lib.tooling.exercises

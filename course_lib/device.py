@@ -11,10 +11,12 @@ emulated and slower than fp32.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import textwrap
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -26,6 +28,9 @@ __all__ = [
     "cpu_bf16_flags",
     "has_native_bf16",
     "recommend_precision",
+    "mixed_precision_for",
+    "has_tf32",
+    "tf32",
     "hardware_report",
     "gpu_cell",
 ]
@@ -175,6 +180,40 @@ def recommend_precision(
         f"sm_{cc[0]}{cc[1]} has no Tensor Cores: fp16 gains little there "
         "(P100 runs it at 2x fp32, other Pascal cards at 1/64)",
     )
+
+
+def mixed_precision_for(device: torch.device | str | None = None) -> str:
+    """Chapter 00: the 16-bit type to try on this device: the recommended one, or, where the
+    policy says fp32 (a CPU without bf16 instructions, a GPU before Volta), bf16 on a CPU and
+    fp16 on a GPU, so that you see what mixed precision would cost there."""
+    dev = pick_device() if device is None else torch.device(device)
+    amp = recommend_precision(dev).precision
+    if amp == "fp32":
+        amp = "bf16" if dev.type == "cpu" else "fp16"
+    return amp
+
+
+def has_tf32(device: torch.device) -> bool:
+    """Chapter 00: does `device` have TF32 (NVIDIA Ampere and newer)? Elsewhere a "TF32" row would repeat
+    strict fp32."""
+    return device.type == "cuda" and (cuda_capability(device) or (0, 0)) >= (8, 0)
+
+
+@contextlib.contextmanager
+def tf32(enabled: bool) -> Iterator[None]:
+    """Chapters 00, 01: allow (or forbid) TF32 in fp32 matmuls and cuDNN convolutions, then restore.
+
+    PyTorch's defaults differ: fp32 matmuls do NOT use TF32 ('highest'), cuDNN convolutions DO.
+    "Strict FP32" therefore needs both switched off.
+    """
+    old = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old[0])
+        torch.backends.cudnn.allow_tf32 = old[1]
 
 
 def check_precision(precision: str, device: torch.device | str) -> None:

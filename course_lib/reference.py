@@ -1,7 +1,7 @@
 """Reference results: numbers measured on a GPU, kept in data/reference/ with where they came from.
 
 Most learners have no H100. So every chapter that measures something on a GPU also records
-it (`python -m course_lib.chapters.bench --json data/reference/bench_<gpu>.json`, ...) and
+it (`python -m course_lib.chapters.ch00.bench --json data/reference/bench_<gpu>.json`, ...) and
 shows the recorded file next to the learner's own measurement. Every file carries the same
 provenance: device, torch, CUDA, cuDNN, Python, date and the exact command. Until a file is
 recorded, a chapter says once, in its own words, what the GPU run would show and how to record

@@ -1,4 +1,4 @@
-"""course_lib.chapters.accumulation and accumulation_pitfalls: the loop is the large batch; the demonstrations
+"""course_lib.chapters.ch04.accumulation and accumulation_pitfalls: the loop is the large batch; the demonstrations
 show what chapter 04 says."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course_lib.chapters import accumulation as A
-from course_lib.chapters import accumulation_pitfalls as P
-from course_lib.chapters import accumulation_tokens as T
+from course_lib.chapters.ch04 import accumulation as A
+from course_lib.chapters.ch04 import accumulation_pitfalls as P
+from course_lib.chapters.ch04 import accumulation_tokens as T
 
 
 def mlp(seed: int = 0) -> nn.Module:
@@ -146,7 +146,7 @@ def test_article_001_loop_leaks_the_epoch_tail_into_the_next_step():
 
 
 def test_peak_saved_bytes_follows_the_micro_batch_not_their_number():
-    from course_lib.timing import saved_tensor_bytes
+    from course_lib.chapters.ch02.saved_tensors import saved_tensor_bytes
     model = mlp()
     x, y = data(32)
     opt, off = torch.optim.SGD(model.parameters(), lr=0.0), torch.amp.GradScaler("cpu", enabled=False)
@@ -168,7 +168,7 @@ def test_memory_rows_on_a_cpu_and_the_recording_cli(tmp_path, capsys):
     assert A.main(["--device", "cpu", "--model", "simplecnn", "--batch", "4", "--accum", "1", "2",
                    "--precisions", "fp32", "--json", str(out)]) == 0
     saved = json.loads(out.read_text())
-    assert saved["provenance"]["command"].startswith("python -m course_lib.chapters.accumulation")
+    assert saved["provenance"]["command"].startswith("python -m course_lib.chapters.ch04.accumulation")
     assert len(saved["rows"]) == 2 and saved["batch"] == 4 and saved["saved_counts"] == A.SAVED_COUNTS
     assert "wrote" in capsys.readouterr().out
 

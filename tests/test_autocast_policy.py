@@ -1,4 +1,4 @@
-"""course_lib.chapters.autocast_policy (chapter 02) and the chapter 02 checks.
+"""course_lib.chapters.ch02.autocast_policy (chapter 02) and the chapter 02 checks.
 
 The probe's *classifications* are tested where torch has kept them stable for years
 (matmul-like ops go down, losses go up, relu/add/batch_norm are unlisted); everything else is
@@ -12,9 +12,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course_lib.chapters import autocast_dispatch as disp
-from course_lib.chapters import autocast_dtypes as ad
-from course_lib.chapters import autocast_policy as ap
+from course_lib.chapters.ch02 import autocast_dispatch as disp
+from course_lib.chapters.ch02 import autocast_dtypes as ad
+from course_lib.chapters.ch02 import autocast_policy as ap
 from course_lib.models import SimpleCNN
 
 LOW = [torch.bfloat16, torch.float16]
@@ -281,7 +281,7 @@ def test_cli_prints_tables_and_writes_json(tmp_path, capsys):
 
 
 def test_the_memory_reading_follows_the_numbers_and_flags_rows_that_disagree():
-    from course_lib.chapters.autocast_dtypes import read_mlp_memory_rows
+    from course_lib.chapters.ch02.autocast_dtypes import read_mlp_memory_rows
 
     # the H100 MLP: autocast saves 8 MiB of activations and adds 64 MiB of weight copies
     mlp = {"dtype": "bf16", "activations_fp32": 24.0, "activations_low": 16.0, "weight_copies_low": 64.0,

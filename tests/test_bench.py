@@ -1,9 +1,9 @@
-"""course_lib.chapters.bench: the FP32 / TF32 / AMP step table and its CLI."""
+"""course_lib.chapters.ch00.bench: the FP32 / TF32 / AMP step table and its CLI."""
 import json
 
 import pytest
 
-from course_lib.chapters import bench
+from course_lib.chapters.ch00 import bench
 
 
 def test_cli_prints_table_with_spread_and_writes_json_with_provenance(tmp_path, capsys):
@@ -57,7 +57,7 @@ def test_compare_runs_reads_the_measured_times_and_this_cpu(monkeypatch, flags, 
 def test_mixed_precision_for_a_cpu_is_always_a_16_bit_type(monkeypatch, flags, precision):
     import course_lib.device as D
     monkeypatch.setattr(D, "cpu_bf16_flags", lambda cpuinfo=None: flags)
-    assert bench.mixed_precision_for("cpu") == precision
+    assert D.mixed_precision_for("cpu") == precision
 
 
 def test_the_amp_step_picture_has_its_three_colours_in_a_legend_inside_the_axes():

@@ -25,9 +25,9 @@ import torch
 import torch.nn as nn
 from checking import fails, passes, verdict
 
-from course_lib.chapters import format_limits as FL
-from course_lib.chapters import formats as F
-from course_lib.chapters.autocast_dtypes import module_dtypes
+from course_lib.chapters.ch01 import format_limits as FL
+from course_lib.chapters.ch01 import formats as F
+from course_lib.chapters.ch02.autocast_dtypes import module_dtypes
 from course_lib.tooling.grading import checks_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,16 +231,16 @@ def test_predict_dtype_accepts_the_rule_and_rejects_wrong_rules():
     fails("02.predict_dtype",
           lambda op, d, dt, ins: torch.float32 if op == "mse_loss" else predict_ref("add", d, dt, ins))
     fails("02.predict_dtype", lambda op, d, dt, ins: str(predict_ref(op, d, dt, ins)))  # a string, not a dtype
-    from course_lib.chapters.autocast_policy import fake_cuda_available
+    from course_lib.chapters.ch02.autocast_policy import fake_cuda_available
     if fake_cuda_available() or torch.cuda.is_available():  # the CUDA lists applied on the CPU too
         fails("02.predict_dtype", lambda op, d, dt, ins: predict_ref(op, "cuda", dt, ins))
 
 
 def test_predict_dtype_names_the_library_shortcut():
-    from course_lib.chapters.autocast_policy import output_dtype
+    from course_lib.chapters.ch02.autocast_policy import output_dtype
     shortcut = notebook_function("def f(op, d, dt, ins):\n    return output_dtype(op, d, dt, ins, fake=d == 'cuda')",
                                  "f", output_dtype=output_dtype)
-    assert "called course_lib.chapters.autocast_policy.output_dtype" in fails("02.predict_dtype", shortcut)
+    assert "called course_lib.chapters.ch02.autocast_policy.output_dtype" in fails("02.predict_dtype", shortcut)
 
 
 def _sqdist_factory(cast_inputs=True, fwd=True, bwd=True, grad_factor=1.0, swap_device=False):

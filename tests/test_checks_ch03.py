@@ -191,7 +191,7 @@ def update_scale(scale, tracker, found_inf, growth_factor, backoff_factor, growt
     message = fails("03.update_scale", with_gradscaler)  # its update() runs into the switched-off kernel
     assert "GradScaler's own kernels" in message and "yourself" in message
 
-    from course_lib.chapters.scaler import DynamicLossScaler
+    from course_lib.chapters.ch03.scaler import DynamicLossScaler
     with_course = notebook_function("""
 def update_scale(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval):
     ref = DynamicLossScaler(scale, growth_factor, backoff_factor, growth_interval, tracker)

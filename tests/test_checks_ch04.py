@@ -13,7 +13,7 @@ import random
 import pytest
 from checking import fails, passes, verdict
 
-from course_lib.chapters.accumulation import accumulation_step
+from course_lib.chapters.ch04.accumulation import accumulation_step
 from course_lib.tooling.grading import checks_for
 
 NAME = "04.accumulate"

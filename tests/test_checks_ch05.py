@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from checking import passes, verdict
 
-from course_lib.chapters import article_two_models, multi
+from course_lib.chapters.ch05 import article_two_models, multi
 from course_lib.tooling.grading import checks_for
 
 NAME = "05.fix_two_models"
@@ -148,7 +148,7 @@ def train_two_models(model0, model1, opt0, opt1, scaler, batches, max_norm, dtyp
 ''', article_two_models=article_two_models)
     status, message = verdict(NAME, shortcut)
     assert status == "failed", message
-    assert "course_lib.chapters.article_two_models.two_model_step" in message
+    assert "course_lib.chapters.ch05.article_two_models.two_model_step" in message
     assert "fix the loop yourself" in message
 
 
@@ -161,7 +161,7 @@ def train_two_models(model0, model1, opt0, opt1, scaler, batches, max_norm, dtyp
             pass
 ''', multi=multi)
     status, message = verdict(NAME, shortcut)
-    assert status == "failed" and "course_lib.chapters.multi" in message
+    assert status == "failed" and "course_lib.chapters.ch05.multi" in message
 
 
 def test_the_check_has_points_and_a_hint():

@@ -16,7 +16,7 @@ import pytest
 from checking import fails, passes, verdict
 from test_checks import passes_in_a_separate_kernel, separate_kernel  # the kernel in another process
 
-from course_lib.chapters.traces import diagnose_trace
+from course_lib.chapters.ch06.traces import diagnose_trace
 from course_lib.tooling.checks import ch06
 
 # --------------------------------------------------------------------------- task 1: the bottleneck
@@ -105,11 +105,11 @@ def test_diagnose_step_names_a_fix_that_does_not_exist():
 def test_diagnose_step_names_the_library_shortcut():
     import types
 
-    from course_lib.chapters import traces
+    from course_lib.chapters.ch06 import traces
     namespace = {"__name__": "__main__", "traces": traces}
     exec("def shortcut(p):\n    return traces.diagnose_trace(p)\n", namespace)
     msg = fails("06.diagnose_step", namespace["shortcut"])
-    assert "course_lib.chapters.traces.diagnose" in msg and isinstance(namespace["shortcut"], types.FunctionType)
+    assert "course_lib.chapters.ch06.traces.diagnose" in msg and isinstance(namespace["shortcut"], types.FunctionType)
 
 
 # --------------------------------------------------------------------------- task 2: the timing helper

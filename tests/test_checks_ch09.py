@@ -14,7 +14,7 @@ import random
 import pytest
 from checking import fails, verdict
 
-from course_lib.chapters import speedup
+from course_lib.chapters.ch09 import speedup
 from course_lib.tooling.checks import ch07, ch09
 from course_lib.tooling.grading import CheckFailure, checks_for
 

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import SequentialSampler, TensorDataset
 
 from course_lib import data, loaders
-from course_lib.chapters import bench
+from course_lib.chapters.ch00 import bench
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "data" / "fashion_mnist_20k.npz"

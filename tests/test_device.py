@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from course_lib import device as D
-from course_lib.chapters import matmul as MM
+from course_lib.chapters.ch01 import matmul as MM
 
 
 @pytest.mark.parametrize("cc, precision, scaler", [
@@ -87,9 +87,9 @@ def test_peak_table_knows_datasheet_gpus_and_says_unknown_for_the_rest(name, dty
 
 def test_tf32_context_switches_both_flags_and_restores_them():
     before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    with MM.tf32(True):
+    with D.tf32(True):
         assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
-    with MM.tf32(False):
+    with D.tf32(False):
         assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
     assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == before
 

@@ -1,4 +1,4 @@
-"""course_lib.chapters.distributed, ddp_launch and ddp_worker: real 2-process torchrun runs on gloo, and the helpers.
+"""course_lib.chapters.ch08 (distributed, ddp_launch, ddp_worker): real 2-process torchrun runs on gloo, and helpers.
 
 Four real launches (each starts torchrun and two ranks, 10-30 s on a 2-core machine): a run that
 works and whose outputs check out, a rank that raises (named, nothing left behind), a rank that
@@ -28,10 +28,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
-from course_lib.chapters import ddp_launch as L
-from course_lib.chapters import distributed as D
-from course_lib.chapters.ddp_launch import DDPRun, DDPRunError, DDPTimeout, launch, torchrun_command
-from course_lib.chapters.distributed import (
+from course_lib.chapters.ch08 import ddp_launch as L
+from course_lib.chapters.ch08 import distributed as D
+from course_lib.chapters.ch08.ddp_launch import DDPRun, DDPRunError, DDPTimeout, launch, torchrun_command
+from course_lib.chapters.ch08.distributed import (
     AutocastForward,
     format_timing_reference,
     max_rel_diff,
@@ -194,7 +194,7 @@ def test_a_rank_that_dies_while_exiting_after_its_work_is_said_to_have_done_so(t
 def test_the_worker_leaves_no_process_group_thread_running_at_exit(tmp_path):
     """The cause of the intermittent SIGABRT at exit: DDP (importing torch.distributed.nn late) and FSDP2's mesh
     (kept by DTensor's caches) held the group, so gloo's threads outlived destroy_process_group."""
-    code = ("import sys; from course_lib.chapters import ddp_worker as w; w.main(sys.argv[1:]); "
+    code = ("import sys; from course_lib.chapters.ch08 import ddp_worker as w; w.main(sys.argv[1:]); "
             "print('left:', w._group_threads())")
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "0", "OMP_NUM_THREADS": "1"}  # a 1-rank group: the store on a free port
@@ -208,7 +208,7 @@ def test_train_shows_ddp_whole_in_one_short_function():
     """Chapter 08 prints ddp_worker.train in a cell: every piece of DDP in it, in order, and nothing else."""
     import inspect
 
-    from course_lib.chapters.ddp_worker import train
+    from course_lib.chapters.ch08.ddp_worker import train
 
     source = inspect.getsource(train)
     assert len(source.splitlines()) <= 60, "the chapter prints train whole: keep it short"
@@ -225,7 +225,7 @@ def test_the_instruments_only_watch_train_alone_trains_the_same_parameters(tmp_p
     """train with the default Hooks() (plain DDP) and with main's Instruments, in a 1-rank group each: the same
     checkpoint, and without the instruments nothing else is written or printed."""
     plain, watched = tmp_path / "plain", tmp_path / "watched"
-    code = ("import sys; from course_lib.chapters import ddp_worker as w; a, b, *rest = sys.argv[1:]; "
+    code = ("import sys; from course_lib.chapters.ch08 import ddp_worker as w; a, b, *rest = sys.argv[1:]; "
             "w.train(w.parse_args([a, *rest])); print('plain done'); w.main([b, *rest])")
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "0", "OMP_NUM_THREADS": "1"}

@@ -1,4 +1,4 @@
-"""course_lib.chapters.doctor: each classic mistake is named by a broken loop that makes it, and the
+"""course_lib.chapters.ch05.doctor: each classic mistake is named by a broken loop that makes it, and the
 correct loops of chapters 03-05 (and the course's own Trainer) get no false alarm."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course_lib.chapters import article_two_models, multi
-from course_lib.chapters.doctor import PROBLEMS, diagnose
+from course_lib.chapters.ch05 import article_two_models, multi
+from course_lib.chapters.ch05.doctor import PROBLEMS, diagnose
 from course_lib.train import TrainConfig, Trainer
 
 pytestmark = pytest.mark.skipif(not multi.cpu_fp16_scaler_works(), reason="needs CPU fp16 autocast + GradScaler")
@@ -382,7 +382,7 @@ def test_every_problem_has_a_title_and_a_fix():
 
 
 def test_chapter_04s_accumulation_step_gets_no_false_alarm():
-    accumulation = pytest.importorskip("course_lib.chapters.accumulation")
+    accumulation = pytest.importorskip("course_lib.chapters.ch04.accumulation")
     step = getattr(accumulation, "accumulation_step", None)
     if step is None:
         pytest.skip("chapter 04 has no accumulation_step")

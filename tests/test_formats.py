@@ -1,4 +1,4 @@
-"""course_lib.chapters.formats (chapter 01) against torch's own conversions, and the chapter 01 checks."""
+"""course_lib.chapters.ch01.formats (chapter 01) against torch's own conversions, and the chapter 01 checks."""
 import math
 import random
 import struct
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from course_lib.chapters import format_limits as FL
-from course_lib.chapters import formats as F
+from course_lib.chapters.ch01 import format_limits as FL
+from course_lib.chapters.ch01 import formats as F
 
 STORAGE = F.STORAGE_FORMATS
 

@@ -1,10 +1,10 @@
-"""course_lib.chapters.ladder: every rung runs at toy size on a CPU; targets are computed, not typed."""
+"""course_lib.chapters.ch09.ladder: every rung runs at toy size on a CPU; targets are computed, not typed."""
 import json
 
 import pytest
 import torch
 
-from course_lib.chapters import ladder, parity, rungs, targets
+from course_lib.chapters.ch09 import ladder, parity, rungs, targets
 
 
 def test_resnet50_ladder_times_every_rung_this_machine_can_run_and_says_why_not_the_others(monkeypatch):
@@ -135,7 +135,7 @@ def test_cli_records_rows_with_provenance(tmp_path):
     out = tmp_path / "ladder.json"
     assert ladder.main(["checkpointing", "--device", "cpu", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["provenance"]["command"].startswith("python -m course_lib.chapters.ladder checkpointing")
+    assert data["provenance"]["command"].startswith("python -m course_lib.chapters.ch09.ladder checkpointing")
     assert len(data["checkpointing"]) == 2 and "targets" not in data
 
 

@@ -1,4 +1,4 @@
-"""course_lib.chapters.loading and data_wait: the pipeline, the wait measured, seeding, on-device loading, the CLI."""
+"""course_lib.chapters.ch07 (loading, data_wait): the pipeline, the wait measured, seeding, on-device loading, CLI."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from course_lib.chapters import data_wait as W
-from course_lib.chapters import loading as L
+from course_lib.chapters.ch07 import data_wait as W
+from course_lib.chapters.ch07 import loading as L
 from course_lib.data import DATA_DIR, load_dataset
 
 matplotlib.use("Agg")
@@ -185,7 +185,7 @@ def test_cli_records_the_sweep_with_provenance_on_a_cpu(tmp_path, capsys):
     out = tmp_path / "loading_cpu.json"
     assert L.main(["--device", "cpu", "--workers", "0", "1", "--steps", "3", "--json", str(out)]) == 0
     ref = json.loads(out.read_text())
-    assert ref["copies"] == [] and ref["provenance"]["command"].startswith("python -m course_lib.chapters.loading")
+    assert ref["copies"] == [] and ref["provenance"]["command"].startswith("python -m course_lib.chapters.ch07.loading")
     assert [r["label"] for r in ref["sweep"]["runs"]] == ["num_workers=0", "num_workers=1"]
     assert "loader sweep" in capsys.readouterr().out
 
@@ -219,7 +219,7 @@ def test_chapter_07_sets_one_cores_supply_from_the_median_step():
 
     import nbformat
 
-    from course_lib.chapters.data_wait import LoaderRun
+    from course_lib.chapters.ch07.data_wait import LoaderRun
     cells = nbformat.read(Path(__file__).parents[1] / "notebooks" / "07_loading.ipynb", as_version=4).cells
     source = next(c.source for c in cells if c.cell_type == "code" and "load_only = measure_loader" in c.source)
     assert "load_ms = load_only.step.median_ms" in source and "supply = 1000 * B / load_ms" in source

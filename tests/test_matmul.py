@@ -1,11 +1,8 @@
-"""course_lib.chapters.matmul: matmul error against float64 (chapter 01) and speed per dtype (chapter 02)."""
-import json
-
+"""course_lib.chapters.ch01.matmul: matmul error against float64, the datasheet peaks and their ratios."""
 import pytest
 import torch
 
-from course_lib.chapters import matmul as M
-from course_lib.timing import Timing
+from course_lib.chapters.ch01 import matmul as M
 
 
 def test_cpu_matmul_accumulates_in_high_precision_and_a_16_bit_accumulator_does_not():
@@ -33,28 +30,6 @@ def test_matmul_table_on_cpu_has_no_tf32_column_and_restores_both_reduction_flag
     assert "bf16 RR off" in text and "TF32" not in text
 
 
-def test_speed_table_on_cpu_skips_tf32_and_reports_positive_throughput():
-    rows = M.matmul_speed_table(n=64, device="cpu", iters=2)
-    assert [r["dtype"] for r in rows] == ["fp32 (strict)", "fp16", "bf16"]
-    assert all(r["tflops"] > 0 and r["peak_tflops"] is None and r["spread"] >= 0 for r in rows)
-    assert "TFLOP/s" in M.format_matmul_speed(rows)
-
-
-def test_matmul_tflops_counts_two_n_cubed_flops(monkeypatch):
-    monkeypatch.setattr(M, "time_fn", lambda *a, **k: Timing([2.0, 2.0, 2.0]))  # 2 ms per call
-    tflops, spread = M.matmul_tflops(1000, torch.float32, "cpu")
-    assert tflops == pytest.approx(2e9 / 2e-3 / 1e12) and spread == 0
-
-
-def test_cli_records_rows_with_provenance(tmp_path, capsys):
-    out = tmp_path / "m.json"
-    assert M.main(["speed", "--n", "32", "--device", "cpu", "--json", str(out)]) == 0
-    data = json.loads(out.read_text())
-    command = f"python -m course_lib.chapters.matmul speed --n 32 --device cpu --json {out}"
-    assert data["provenance"]["command"] == command
-    assert [r["dtype"] for r in data["rows"]] == ["fp32 (strict)", "fp16", "bf16"]
-
-
 def test_matmul_table_text_puts_modes_in_rows_and_fits_100_characters():
     modes = ["fp32", "fp32 TF32", "fp16", "fp16 RR off", "fp16 floor", "bf16", "bf16 RR off", "bf16 floor"]
     rows = [{"K": k, **{m: 1e-3 * i for i, m in enumerate(modes)}} for k in (256, 4096, 65536)]
@@ -65,7 +40,7 @@ def test_matmul_table_text_puts_modes_in_rows_and_fits_100_characters():
 
 
 def test_peak_ratios_come_from_the_device_table_with_no_tensor_core_path_as_none():
-    from course_lib.chapters.matmul import PEAK_TFLOPS
+    from course_lib.chapters.ch01.matmul import PEAK_TFLOPS
     rows = {r["gpu"]: r for r in M.peak_ratios()}
     assert set(rows) == set(PEAK_TFLOPS) and set(M.FP8_PEAK_TFLOPS) <= set(PEAK_TFLOPS)
     assert rows["H100 SXM"]["bf16/fp32"] == pytest.approx(989.4 / 66.9) == pytest.approx(14.8, abs=0.05)

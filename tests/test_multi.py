@@ -1,4 +1,4 @@
-"""course_lib.chapters.multi: chapter 05's loops do what the AMP examples page prescribes."""
+"""course_lib.chapters.ch05.multi: chapter 05's loops do what the AMP examples page prescribes."""
 from __future__ import annotations
 
 import copy
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from course_lib.chapters import article_two_models, multi
+from course_lib.chapters.ch05 import article_two_models, multi
 
 FP16 = multi.cpu_fp16_scaler_works()
 needs_fp16 = pytest.mark.skipif(not FP16, reason="this torch has no CPU fp16 autocast + GradScaler")
@@ -98,7 +98,7 @@ def test_the_reference_cli_records_every_mode(tmp_path, capsys):
     assert multi.main(["--device", "cpu", "--steps", "3", "--batch", "8", "--json", str(out)]) == 0
     ref = json.loads(out.read_text())
     assert [r["mode"] for r in ref["rows"]] == ["fp32", "bf16", multi.amp_mode("cpu").name]
-    assert ref["provenance"]["command"].startswith("python -m course_lib.chapters.multi")
+    assert ref["provenance"]["command"].startswith("python -m course_lib.chapters.ch05.multi")
     text = multi.format_gan_reference(ref)
     assert all(len(line) <= 100 for line in text.splitlines()) and "fp32" in text
 

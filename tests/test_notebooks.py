@@ -192,7 +192,7 @@ def test_chapter_00_links_every_chapter_its_exercises_and_the_readme():
 # --------------------------------------------------------------------------- printed tables
 
 def test_the_targets_table_of_chapter_09_is_aligned_within_100_columns():
-    from course_lib.chapters.targets import format_targets, targets
+    from course_lib.chapters.ch09.targets import format_targets, targets
 
     rows = targets([], None)
     rows[0].update(value=3123.4, met=True, stretch_met=False)  # the widest numbers a recorded run gives

@@ -1,8 +1,9 @@
-"""course_lib.chapters.overflow: forward hooks find the first layer whose output leaves fp16's range."""
+"""course_lib.chapters.ch03.overflow: forward hooks find the first layer whose output leaves fp16's range."""
 import torch
 import torch.nn.functional as F
 
-from course_lib.chapters.overflow import first_nonfinite, format_magnitudes, growing_mlp, trace_magnitudes
+from course_lib.chapters.ch03.overflow import first_nonfinite, format_magnitudes, trace_magnitudes
+from course_lib.chapters.ch09.growing import growing_mlp
 
 
 def test_growing_mlp_works_in_fp32_and_overflows_in_the_middle_in_fp16():

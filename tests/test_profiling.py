@@ -11,9 +11,9 @@ import matplotlib
 import pytest
 import torch
 
-from course_lib.chapters import measured_steps as M
-from course_lib.chapters import profiling as P
-from course_lib.chapters import traces as T
+from course_lib.chapters.ch06 import measured_steps as M
+from course_lib.chapters.ch06 import profiling as P
+from course_lib.chapters.ch06 import traces as T
 from course_lib.models import MLP
 from course_lib.timing import Timing
 from course_lib.train import TrainConfig, Trainer
@@ -227,7 +227,7 @@ def test_the_recording_cli_writes_summaries_that_format_profiling_reference_read
     out = tmp_path / "profiling_cpu.json"
     assert P.main(["--device", "cpu", "--json", str(out)]) == 0
     ref = json.loads(out.read_text())
-    assert ref["provenance"]["command"].startswith("python -m course_lib.chapters.profiling")
+    assert ref["provenance"]["command"].startswith("python -m course_lib.chapters.ch06.profiling")
     assert set(ref) >= {"steps", "bottlenecks", "timing", "sync"} and set(ref["steps"]) == {"fp32", "bf16"}
     assert all(len(v["summary"]["ops"]) <= 9 for v in ref["steps"].values())  # 8 heaviest + the rest, summed
     assert out.stat().st_size < 100_000  # summaries, not traces

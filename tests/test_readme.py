@@ -2,7 +2,7 @@
 import re
 from pathlib import Path
 
-from course_lib.chapters.targets import targets
+from course_lib.chapters.ch09.targets import targets
 from course_lib.reference import load_references
 
 ROOT = Path(__file__).resolve().parents[1]

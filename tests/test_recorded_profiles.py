@@ -1,7 +1,7 @@
-"""course_lib.chapters.recorded_profiles: the recorded GPU profiles read in words computed from their numbers."""
+"""course_lib.chapters.ch09.recorded_profiles: the recorded GPU profiles read in words computed from their numbers."""
 import pytest
 
-from course_lib.chapters import recorded_profiles as rp
+from course_lib.chapters.ch09 import recorded_profiles as rp
 from course_lib.reference import load_references
 
 

@@ -23,13 +23,13 @@ def test_record_prints_the_table_under_its_provenance_and_writes_json(tmp_path, 
 def test_show_reference_prints_each_record_with_where_it_was_measured(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(reference, "REFERENCE_DIR", tmp_path)
     prov = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.9.0", "cuda": "12.8", "date": "2026-01-01",
-            "command": "python -m course_lib.chapters.bench --json bench_h100.json"}
+            "command": "python -m course_lib.chapters.ch00.bench --json bench_h100.json"}
     (tmp_path / "bench_h100.json").write_text(json.dumps({"provenance": prov, "rows": [1, 2]}))
     refs = reference.show_reference("bench_*.json", lambda r: f"{len(r['rows'])} rows")
     text = capsys.readouterr().out
     assert [r["file"] for r in refs] == ["bench_h100.json"]
     assert "NVIDIA H100 80GB HBM3 | torch 2.9.0 | CUDA 12.8 | 2026-01-01" in text and "2 rows" in text
-    assert "command: python -m course_lib.chapters.bench" in text
+    assert "command: python -m course_lib.chapters.ch00.bench" in text
 
 
 def test_a_withdrawn_measurement_is_shown_with_its_erratum_before_the_table(tmp_path, monkeypatch, capsys):

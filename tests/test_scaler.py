@@ -1,4 +1,4 @@
-"""course_lib.chapters.scaler (chapter 03): the reference scaler against torch.amp.GradScaler, bit for bit,
+"""course_lib.chapters.ch03.scaler (chapter 03): the reference scaler against torch.amp.GradScaler, bit for bit,
 the underflow and overflow tools, the fp16 run and its recording CLI, and the loss-scale simulator."""
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course_lib.chapters import loss_scale_simulator as LS
-from course_lib.chapters import scaler as S
-from course_lib.chapters import underflow as U
-from course_lib.chapters import widgets as W
+from course_lib.chapters.ch01 import widgets as W
+from course_lib.chapters.ch03 import loss_scale_simulator as LS
+from course_lib.chapters.ch03 import scaler as S
+from course_lib.chapters.ch03 import underflow as U
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -177,7 +177,7 @@ def test_fates_at_scales_scales_as_gradscaler_does_a_float32_product_rounded_onc
 
 
 def test_fates_at_scales_is_chapter_01s_classification_at_each_scale():
-    from course_lib.chapters.format_limits import fates
+    from course_lib.chapters.ch01.format_limits import fates
     v = torch.tensor([0.0, 2.0 ** -30, 2.0 ** -20, 1e-3, 1.0, 3e4, math.inf, math.nan])
     rows = U.fates_at_scales(v, [1.0, 2.0 ** 8, 2.0 ** 16])
     for r in rows:
@@ -220,7 +220,7 @@ def test_the_cli_records_a_run_with_provenance(tmp_path, capsys):
     assert S.main(["--device", "cpu", "--model", "mlp", "--steps", "6", "--batch", "8", "--growth-interval", "2",
                    "--json", str(out)]) == 0
     rec = json.loads(out.read_text())
-    assert rec["provenance"]["command"].startswith("python -m course_lib.chapters.scaler --device cpu")
+    assert rec["provenance"]["command"].startswith("python -m course_lib.chapters.ch03.scaler --device cpu")
     assert len(rec["scale"]) == 6 and rec["replay_identical"] is True
     text = S.describe_dynamics(rec)
     assert "bit for bit: True" in text and max(map(len, text.splitlines())) <= 100

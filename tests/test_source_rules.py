@@ -78,7 +78,8 @@ def test_the_last_definition_decides_whether_a_task_is_a_stub():
     ("import struct", "decode = lambda bits: struct.unpack('<e', bits.to_bytes(2, 'little'))[0]"),
     ("with open('runs/log.txt', 'w') as log:\n    import struct",  # bound inside a top-level block
      "def decode(bits):\n    return struct.unpack('<e', bits.to_bytes(2, 'little'))[0]"),
-    ("import course_lib.chapters.formats", "def decode(bits):\n    return course_lib.chapters.formats.decode(bits)"),
+    ("import course_lib.chapters.ch01.formats",
+     "def decode(bits):\n    return course_lib.chapters.ch01.formats.decode(bits)"),
     ("import torch", "def decode(bits):\n    return getattr(torch, 'tensor')([bits]).item()"),
     ("from array import array", "def decode(bits):\n    return array('e', bits.to_bytes(2, 'little'))[0]"),
 ], ids=lambda c: c[-1].splitlines()[-1].strip()[:50] if isinstance(c, tuple) else str(c))

@@ -1,7 +1,7 @@
-"""course_lib.chapters.speedup: the exercise's slow script learns the same model however it is computed."""
+"""course_lib.chapters.ch09.speedup: the exercise's slow script learns the same model however it is computed."""
 import pytest
 
-from course_lib.chapters.speedup import RECIPE, SLOW, format_result, format_speedup, run_script, validate_settings
+from course_lib.chapters.ch09.speedup import RECIPE, SLOW, format_result, format_speedup, run_script, validate_settings
 
 TINY = {"train_size": 96, "test_size": 40, "epochs": 2, "eval_every": 2, "detect_anomaly": False}
 

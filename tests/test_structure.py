@@ -1,7 +1,8 @@
 """The shape of course_lib: three rooms, small, one import direction, and back-links that are true.
 
-The core (course_lib/*.py) is what a learner reads; chapters/ holds what one chapter teaches;
-tooling/ is for instructors and authors. See course_lib/README.md for the map.
+The core (course_lib/*.py) is what a learner reads; chapters/chNN/ holds what chapter NN teaches
+(one home per chapter, named like its notebook, check and probe); tooling/ is for instructors and
+authors. See course_lib/README.md for the map.
 """
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "course_lib"
 CORE = sorted(p for p in PKG.glob("*.py") if p.name != "__init__.py")
-CHAPTER_MODULES = sorted(p for p in (PKG / "chapters").glob("*.py") if p.name != "__init__.py")
+CHAPTER_HOMES = sorted(p for p in (PKG / "chapters").iterdir() if p.is_dir() and p.name != "__pycache__")
+CHAPTER_MODULES = sorted(p for p in (PKG / "chapters").rglob("*.py") if p.name != "__init__.py")
+CHAPTER_INITS = sorted((PKG / "chapters").rglob("__init__.py"))
 TOOLING = sorted((PKG / "tooling").rglob("*.py"))
 CORE_BUDGET, CORE_MODULE_BUDGET, CHAPTER_MODULE_BUDGET = 1500, 400, 450
 TAG = re.compile(r"^Chapters? ((?:\d{2}(?:, | and )?)+):")
@@ -114,14 +117,14 @@ def imported_modules(path: Path) -> set[str]:
             else:
                 target = node.module or ""
             if target.startswith("course_lib"):
-                # `from ..chapters import formats` imports the module course_lib.chapters.formats
+                # `from ..chapters import formats` imports the module course_lib.chapters.ch01.formats
                 subs = [f"{target}.{a.name}" for a in node.names]
                 out |= {s for s in subs if (ROOT / (s.replace(".", "/") + ".py")).exists()
                         or (ROOT / s.replace(".", "/") / "__init__.py").exists()} or {target}
     return out - {name}
 
 
-ALL_MODULES = CORE + CHAPTER_MODULES + TOOLING
+ALL_MODULES = CORE + CHAPTER_MODULES + CHAPTER_INITS + TOOLING
 
 
 @pytest.mark.parametrize("path", ALL_MODULES, ids=rel)
@@ -157,6 +160,84 @@ def test_every_module_declares_its_public_names(path):
     targets = [t for n in tree.body if isinstance(n, ast.Assign) for t in n.targets]
     targets += [n.target for n in tree.body if isinstance(n, ast.AnnAssign)]
     assert any(getattr(t, "id", None) == "__all__" for t in targets), f"{rel(path)} has no __all__"
+
+
+def chapter_of(name: str) -> int | None:
+    """45 for course_lib.chapters.ch45.anything; None outside the chapter homes."""
+    m = re.match(r"course_lib\.chapters\.ch(\d{2})\b", name)
+    return int(m.group(1)) if m else None
+
+
+def test_every_chapter_has_one_home_named_like_its_notebook_check_and_probe():
+    notebooks = sorted(p.name[:2] for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert [p.name for p in CHAPTER_HOMES] == [f"ch{nn}" for nn in notebooks], "one chapters/chNN/ per notebook"
+    loose = [p.name for p in (PKG / "chapters").glob("*.py") if p.name != "__init__.py"]
+    assert not loose, f"chapter code outside a chapter home: {loose}"
+    for home in CHAPTER_HOMES:
+        assert (home / "__init__.py").exists(), f"{rel(home)} is not a package"
+        for room_ in ("checks", "probes"):
+            assert (PKG / "tooling" / room_ / f"{home.name}.py").exists(), f"no tooling/{room_}/{home.name}.py"
+
+
+def cross_chapter_imports(path: Path) -> list[tuple[int, str]]:
+    """(chapter, module) of every module of another chapter home that this file imports."""
+    mine = chapter_of(module_name(path))
+    return sorted({(chapter_of(m), m) for m in imported_modules(path)
+                   if chapter_of(m) is not None and chapter_of(m) != mine})
+
+
+@pytest.mark.parametrize("path", CHAPTER_MODULES + CHAPTER_INITS, ids=rel)
+def test_a_chapter_home_imports_only_the_core_and_earlier_chapters(path):
+    mine = chapter_of(module_name(path))
+    forward = [m for nn, m in cross_chapter_imports(path) if nn > mine]
+    assert not forward, f"{rel(path)} (chapter {mine:02d}) imports later chapters: {forward}"
+
+
+def private_names_imported(path: Path) -> list[str]:
+    """`module:_name` for each private name this file imports from another module of course_lib."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            if target.startswith("course_lib"):
+                out += [f"{target}:{a.name}" for a in node.names if a.name.startswith("_")]
+    return out
+
+
+@pytest.mark.parametrize("path", CORE + CHAPTER_MODULES, ids=rel)
+def test_no_private_name_crosses_a_chapter_home_or_leaves_the_core(path):
+    # Inside one chapter's home, modules may share private helpers: they are one idea in one place.
+    mine = chapter_of(module_name(path))
+    crossing = [p for p in private_names_imported(path) if mine is None or chapter_of(p.split(":")[0]) != mine]
+    assert not crossing, f"{rel(path)} imports private names from elsewhere: {crossing}"
+
+
+def test_the_direction_check_catches_a_forward_import_and_a_private_name(monkeypatch):
+    fake = PKG / "chapters" / "ch01" / "fake_for_test.py"  # never written: the checks read it through read_text
+    source = "from course_lib.chapters.ch05.doctor import diagnose\nfrom course_lib.train import _private\n"
+    real_read = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: source if self == fake else real_read(self, *a, **k))
+    assert [m for _, m in cross_chapter_imports(fake)] == ["course_lib.chapters.ch05.doctor"]
+    assert private_names_imported(fake) == ["course_lib.train:_private"]
+
+
+def test_chapter_homes_form_few_arrows_and_all_point_back():
+    arrows = {(chapter_of(module_name(p)), nn) for p in CHAPTER_MODULES for nn, _ in cross_chapter_imports(p)}
+    assert all(theirs < mine for mine, theirs in arrows)
+    assert len(arrows) <= 10, f"{len(arrows)} arrows between chapter homes: does something shared belong in the core?"
+
+
+CHAPTER_NOTEBOOKS = sorted(p for d in ("notebooks", "solutions", "exercises") for p in (ROOT / d).glob("[0-9][0-9]_*"))
+
+
+@pytest.mark.parametrize("path", CHAPTER_NOTEBOOKS, ids=rel)
+def test_a_notebook_imports_its_own_chapter_home_or_earlier_ones(path):
+    nn = int(path.name[:2])
+    later = sorted(i for i in notebook_imports(path) if (chapter_of(i.split(":")[0]) or 0) > nn)
+    assert not later, f"{rel(path)} (chapter {nn:02d}) imports code of later chapters: {later}"
 
 
 # --------------------------------------------------------------------------- chapter back-links
@@ -208,6 +289,16 @@ def false_tags(path: Path) -> list[str]:
             elif not uses(nn, name):
                 wrong.append(f"{qualname}: tagged Chapter {nn}, whose notebooks never use `{name}`")
     return wrong
+
+
+@pytest.mark.parametrize("path", CHAPTER_MODULES, ids=rel)
+def test_a_chapter_home_holds_what_its_chapter_introduces(path):
+    # The first chapter a docstring names is where the name is introduced: its home is that chapter's.
+    mine = chapter_of(module_name(path))
+    docs = dict(documented(path))
+    elsewhere = [f"{n} (Chapter {TAG.match(docs[n]).group(1)[:2]})" for n in public_names(path)
+                 if n in docs and TAG.match(docs[n]) and int(TAG.match(docs[n]).group(1)[:2]) != mine]
+    assert not elsewhere, f"{rel(path)} is chapter {mine:02d}'s home but holds what others introduce: {elsewhere}"
 
 
 @pytest.mark.parametrize("path", CORE + CHAPTER_MODULES, ids=rel)

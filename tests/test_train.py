@@ -169,7 +169,9 @@ def test_every_training_step_of_the_course_is_the_one_amp_step(monkeypatch):
     # The course has one training step, train.amp_step: the Trainer, chapter 04's accumulation, the
     # DDP worker's timed step, the GPT ladder and the speed-up script must all run it, not a copy.
     from course_lib import train
-    from course_lib.chapters import accumulation, ddp_worker, ladder, speedup
+    from course_lib.chapters.ch04 import accumulation
+    from course_lib.chapters.ch08 import ddp_worker
+    from course_lib.chapters.ch09 import ladder, speedup
     from course_lib.models import GPT, GPTConfig
 
     calls, real = [], train.amp_step

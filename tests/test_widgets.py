@@ -1,4 +1,4 @@
-"""course_lib.chapters.widgets (chapter 01): the bit explorer's pure logic, its static fallbacks, the live widget."""
+"""course_lib.chapters.ch01.widgets: the bit explorer's pure logic, its static fallbacks, the live widget."""
 import copy
 import math
 import sys
@@ -7,8 +7,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib.chapters import widgets as W
-from course_lib.chapters.formats import decompose
+from course_lib.chapters.ch01 import widgets as W
+from course_lib.chapters.ch01.formats import decompose
 from course_lib.tooling.nbtools import without_widget_views
 
 
@@ -77,7 +77,7 @@ def test_static_text_shows_every_format_with_bits_values_and_errors():
 def test_the_explorer_shows_what_fate_says_and_torch_stores(value):
     # 65519.99999 is inf in fp16 for torch (float64 -> float32 65520.0 -> tie -> inf): the explorer showed
     # inf while fate() said it rounds to 65504. Each row's kind must be the one fate() names.
-    from course_lib.chapters.format_limits import fate
+    from course_lib.chapters.ch01.format_limits import fate
     words = {"overflow": {"inf", "nan", "normal"}, "underflow": {"zero"}, "subnormal": {"subnormal"},
              "normal": {"normal"}}
     for d in W.explorer_rows(value):

@@ -36,24 +36,24 @@ rec() {  # name cap module args...: python -m course_lib.chapters.<module args> 
   pack
 }
 # Side by side: results that are dtypes, memory and counts, not times.
-rec formats_matmul 90 matmul error &
-rec autocast_policy 90 autocast_policy &
-rec autocast_memory 90 autocast_dtypes &
-rec scaler 120 scaler &
-rec accumulation 120 accumulation &
-rec multi 150 multi &
+rec formats_matmul 90 ch01.matmul error &
+rec autocast_policy 90 ch02.autocast_policy &
+rec autocast_memory 90 ch02.autocast_dtypes &
+rec scaler 120 ch03.scaler &
+rec accumulation 120 ch04.accumulation &
+rec multi 150 ch05.multi &
 wait
 # One at a time: timings (on an H100: 40-60 s each, the ResNet-50 ladder longer).
-rec bench 120 bench
-rec matmul 90 matmul speed
-rec ladder_gpt 180 ladder gpt
-rec ladder_course 120 ladder course
-rec ladder_optimizer 60 ladder optimizer
-rec ladder_ckpt 60 ladder checkpointing
-rec profiling 120 profiling
-rec loading 120 loading
-rec ddp 120 distributed record
-rec ladder_resnet50 300 ladder resnet50
+rec bench 120 ch00.bench
+rec matmul 90 ch02.matmul_speed
+rec ladder_gpt 180 ch09.ladder gpt
+rec ladder_course 120 ch09.ladder course
+rec ladder_optimizer 60 ch09.ladder optimizer
+rec ladder_ckpt 60 ch09.ladder checkpointing
+rec profiling 120 ch06.profiling
+rec loading 120 ch07.loading
+rec ddp 120 ch08.distributed record
+rec ladder_resnet50 300 ch09.ladder resnet50
 # The GPU tier with the time left: one notebook per worker (pytest-xdist: bash tools/gpu-prepare.sh pytest-xdist).
 if [[ $want == *" all "* || $want == *" tests "* ]] && [ "$(left)" -gt 60 ]; then
   s=$SECONDS

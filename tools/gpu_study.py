@@ -29,10 +29,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from course_lib.chapters.matmul import peak_tflops  # noqa: E402
+from course_lib.chapters.ch01.matmul import peak_tflops  # noqa: E402
+from course_lib.chapters.ch02.saved_tensors import saved_tensor_bytes
 from course_lib.models import GPT, MLP, GPTConfig, SimpleCNN, resnet50  # noqa: E402
 from course_lib.reference import record  # noqa: E402
-from course_lib.timing import saved_tensor_bytes, time_fn  # noqa: E402
+from course_lib.timing import time_fn  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CUDA = DEV.type == "cuda"

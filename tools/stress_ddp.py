@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing it
 
-from course_lib.chapters.ddp_launch import DDPRunError, launch  # noqa: E402
-from course_lib.chapters.distributed import _check_run  # noqa: E402
+from course_lib.chapters.ch08.ddp_launch import DDPRunError, launch  # noqa: E402
+from course_lib.chapters.ch08.distributed import _check_run  # noqa: E402
 
 NOTEBOOK = ROOT / "notebooks" / "08_distributed.ipynb"
 FALLBACK = "outlived destroy_process_group"  # what ddp_worker prints when it has to skip interpreter shutdown

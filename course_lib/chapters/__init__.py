@@ -1,5 +1,9 @@
-"""Chapter modules: the code one chapter teaches, built on the core (course_lib/*.py).
+"""Chapter homes: chNN/ holds the code of notebooks/NN_*.ipynb, built on the core (course_lib/*.py).
 
-Each module is introduced by one chapter and imports the core; the map of which module
-belongs to which chapter is course_lib/README.md.
+A cell of chapter NN that calls the library imports course_lib.chapters.chNN.<module>, or, for
+something an earlier chapter taught, that earlier chapter's home. Imports point only down (to the
+core) or back (to an earlier chapter), never forward; tests/test_structure.py keeps it so. The
+check and probe of chapter NN are course_lib/tooling/checks/chNN.py and tooling/probes/chNN.py.
 """
+
+__all__: list[str] = []

@@ -10,8 +10,8 @@ import random
 import numpy as np
 import torch
 
-from ...chapters.format_limits import overflow_threshold
-from ...chapters.formats import all_values, bit_string, get_format
+from ...chapters.ch01.format_limits import overflow_threshold
+from ...chapters.ch01.formats import all_values, bit_string, get_format
 from ..grading import Check, CheckFailure, expect_list, expect_numbers, register
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name

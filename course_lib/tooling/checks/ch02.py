@@ -7,8 +7,8 @@ import random
 
 import torch
 
-from ...chapters.autocast_dtypes import module_dtypes
-from ...chapters.autocast_policy import LOW_PRECISION, fake_cuda_available, output_dtype
+from ...chapters.ch02.autocast_dtypes import module_dtypes
+from ...chapters.ch02.autocast_policy import LOW_PRECISION, fake_cuda_available, output_dtype
 from ..grading import Check, CheckFailure, describe_value, expect_dict, expect_list, register
 from ..probes.ch02 import MYSTERY, STANDARD, build, dtype_of
 
@@ -53,7 +53,9 @@ class PredictDtype(Check):
         "dtypes combine by ordinary type promotion, to the wider one)."
     )
     forbidden = ("course_lib",)
-    forbidden_why = "write the rule from what chapter 02 showed instead of calling course_lib.chapters.autocast_policy"
+    forbidden_why = (
+        "write the rule from what chapter 02 showed instead of calling course_lib.chapters.ch02.autocast_policy"
+    )
 
     def cases(self, rng: random.Random) -> list:
         devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() or fake_cuda_available() else [])

@@ -12,7 +12,7 @@ import random
 import torch
 import torch.nn as nn
 
-from ...chapters.scaler import f32, torch_trajectory
+from ...chapters.ch03.scaler import f32, torch_trajectory
 from ..grading import Check, CheckFailure, expect_dict, expect_list, expect_number, expect_numbers, register
 from ..probes.ch03 import BATCH, HIDDEN, IN, OUT, train_steps
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...chapters.multi import amp_mode
+from ...chapters.ch05.multi import amp_mode
 from ..grading import Check, CheckFailure, expect_dict, expect_list, expect_number, expect_numbers, register
 from ..probes.ch05 import KINDS, build, flat
 
@@ -179,7 +179,7 @@ class FixTwoModels(Check):
         "scaler.unscale_(opt0); clip model0's gradients; scaler.step(opt0); scaler.step(opt1); "
         "scaler.update() once, last. Everything after the losses runs outside the autocast block."
     )
-    forbidden = ("course_lib.chapters.multi", "course_lib.chapters.article_two_models")
+    forbidden = ("course_lib.chapters.ch05.multi", "course_lib.chapters.ch05.article_two_models")
     forbidden_why = "fix the loop yourself instead of calling chapter 05's two_model_step"
     time_limit = 60.0
 

@@ -1,5 +1,5 @@
 """Checks for exercise 06 (profiling). The profiles are drawn fresh by the grader from four
-scenarios, with the chapter's diagnosis (course_lib.chapters.traces.diagnose_trace) as the reference;
+scenarios, with the chapter's diagnosis (course_lib.chapters.ch06.traces.diagnose_trace) as the reference;
 the timing check hands the learner's helper a fake asynchronous device whose work only ends
 when `sync()` waits for it, so a helper that forgets to synchronize measures nothing. That device
 is the grader (TimeIt.host): the kernel side (course_lib/tooling/probes/ch06.py) only asks it to
@@ -11,7 +11,7 @@ import random
 import statistics
 from time import perf_counter, sleep  # bound now: a learner who patches time.sleep inline sees no duration
 
-from ...chapters.traces import FIXES, diagnose_trace
+from ...chapters.ch06.traces import FIXES, diagnose_trace
 from ..grading import Check, CheckFailure, expect_dict, expect_list, expect_number, register
 from . import timed
 
@@ -104,7 +104,9 @@ class DiagnoseStep(Check):
         "waiting, not working."
     )
     forbidden = ("course_lib",)
-    forbidden_why = "write the three questions yourself instead of calling course_lib.chapters.traces.diagnose_trace"
+    forbidden_why = (
+        "write the three questions yourself instead of calling course_lib.chapters.ch06.traces.diagnose_trace"
+    )
 
     def cases(self, rng: random.Random) -> list:
         kinds = ["data", "overhead", "amp", "fewer_flops"] * 3

@@ -26,7 +26,7 @@ from typing import Callable
 
 from torch.utils.data import DataLoader
 
-from ...chapters import data_wait, loading
+from ...chapters.ch07 import data_wait, loading
 from ...data import load_dataset
 from ..grading import Check, CheckFailure, register
 from ..probes.ch07 import KEYS

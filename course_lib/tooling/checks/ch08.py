@@ -40,7 +40,7 @@ def _model(run: dict):
 
 def _orders(run: dict, set_epoch: bool) -> list[list[int]]:
     """The samples each rank's DataLoader reads over all epochs, in order (DistributedSampler's)."""
-    from course_lib.chapters.distributed import sampler_orders
+    from course_lib.chapters.ch08.distributed import sampler_orders
 
     per_epoch = sampler_orders(run["n"], WORLD, run["epochs"], run["seed"], set_epoch)
     return [[i for order in rank for i in order] for rank in per_epoch]
@@ -48,7 +48,7 @@ def _orders(run: dict, set_epoch: bool) -> list[list[int]]:
 
 def _global_steps(run: dict) -> list[list[int]]:
     """The samples of every optimizer step, all ranks together: each rank's next batch_size samples."""
-    from course_lib.chapters.distributed import sampler_orders
+    from course_lib.chapters.ch08.distributed import sampler_orders
 
     orders, b = sampler_orders(run["n"], WORLD, run["epochs"], run["seed"]), run["batch_size"]
     return [
@@ -66,7 +66,7 @@ def steps_of(run: dict) -> int:
 def reference(run: dict):
     """What the DDP run should train, in one process: one SGD (momentum) step per global batch under CPU
     autocast in the run's dtype; in a run where the harness made the first gradient overflow, that
-    step is skipped, as a GradScaler skips it (course_lib.chapters.distributed.reference_train, and
+    step is skipped, as a GradScaler skips it (course_lib.chapters.ch08.distributed.reference_train, and
     the skip)."""
     import torch
     import torch.nn.functional as F

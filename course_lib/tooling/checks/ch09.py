@@ -22,7 +22,7 @@ import sys
 import threading
 from typing import Callable
 
-from ...chapters import speedup
+from ...chapters.ch09 import speedup
 from ..grading import Check, CheckFailure, expect_list, register
 from .ch07 import in_fresh_process_reporting, machine, reporting, say  # shared with the other measuring check
 

@@ -1,7 +1,7 @@
 """Kernel side of exercise 05's check (two models, two losses, two optimizers, one GradScaler).
 
 `fix_two_models` builds the case's two models, optimizers, scaler and batches from its seed, runs
-the learner's loop with its calls recorded (course_lib.chapters.doctor_recorder.Recorder, which notes the
+the learner's loop with its calls recorded (course_lib.chapters.ch05.doctor_recorder.Recorder, which notes the
 autocast state at each backward, clip, optimizer step, scaler.step and update; the scaler below
 adds unscale_), and returns as plain data:
 
@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from ...chapters.doctor_recorder import Recorder
+from ...chapters.ch05.doctor_recorder import Recorder
 
 __all__ = ["fix_two_models", "record", "build", "flat", "KINDS"]
 

@@ -191,7 +191,7 @@ print(f"[rank {rank}] done")
 
 def ddp_train(case: dict, ddp_train_fn: Callable) -> list:
     """Both ranks' results, [rank][run], from one torchrun launch of the learner's ddp_train."""
-    from course_lib.chapters.ddp_launch import DDPRunError, launch
+    from course_lib.chapters.ch08.ddp_launch import DDPRunError, launch
 
     try:
         source = textwrap.dedent(inspect.getsource(ddp_train_fn))

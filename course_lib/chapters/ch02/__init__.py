@@ -1,0 +1,15 @@
+"""Chapter 02 (02_autocast.ipynb): the library code its cells call, one module per topic.
+
+- autocast_dispatch.py: What autocast does, seen from the dispatcher: which ops it has kernels for,
+  and what reaches the kernels.
+- autocast_dtypes.py: Where every dtype ends up in a training step under autocast, and the memory
+  that saves.
+- autocast_policy.py: What autocast does on the installed torch, found by running it, not by reading
+  a list.
+
+Its exercises are checked by course_lib/tooling/checks/ch02.py; the half of each check that runs
+in the learner's kernel is course_lib/tooling/probes/ch02.py. Imports: the core, and earlier
+chapters only (tests/test_structure.py keeps it so).
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,125 @@
+"""Underflow on real gradients: where a model's gradient values land in fp16, with and without a loss scale.
+
+Chapter 03. One fp32 backward gives every gradient value a model makes (the activations' gradients
+handed from layer to layer, and the parameters' .grad). Multiplied by a scale and stored in fp16,
+each becomes 0 (below 2^-24), a subnormal with fewer significant bits, a normal number, or inf
+(above 65504): `fates_at_scales` counts them, with chapter 01's classification (format_limits.fates)
+at each scale, and `plot_gradient_histograms` shows them against fp16's ranges. The scale is applied
+as GradScaler applies it (course_lib.chapters.ch03.scaler holds the scale's rule).
+
+    g = gradient_sample(model, x, y)
+    print(format_fates(fates_at_scales(g["activations"], [1.0, 2.0**16])))   # % that become 0, subnormal, ...
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from course_lib.chapters.ch01.format_limits import fates
+from course_lib.chapters.ch03.scaler import f32
+
+__all__ = ["gradient_sample", "fates_at_scales", "format_fates", "plot_gradient_histograms"]
+
+FP16_MAX = 65504.0
+FP16_TINY = 2.0**-14  # smallest normal fp16
+FP16_SUBNORMAL = 2.0**-24  # smallest subnormal fp16; |x| <= 2^-25 rounds to 0
+
+
+def gradient_sample(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable = F.cross_entropy
+) -> dict[str, torch.Tensor]:
+    """Chapter 03: every gradient value one fp32 forward and backward of `model` on (x, y) makes.
+
+    'activations': dL/d(output) of every leaf module, what an fp16 backward hands from layer
+    to layer; 'parameters': every .grad. Flat float32 tensors, zeros included.
+    """
+    acts: list[torch.Tensor] = []
+
+    def keep(mod: nn.Module, args: tuple, out: object) -> None:
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda g: acts.append(g.detach().flatten().float()))
+
+    handles = [m.register_forward_hook(keep) for m in model.modules() if not list(m.children())]
+    try:
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+    finally:
+        for h in handles:
+            h.remove()
+    params = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return {"activations": torch.cat(acts), "parameters": params}
+
+
+def fates_at_scales(
+    values: torch.Tensor, scales: Sequence[float] = (1.0,), dtype: torch.dtype = torch.float16
+) -> list[dict]:
+    """Chapter 03: the non-zero `values` times each scale, stored in `dtype`: one row per scale with the
+    fractions that underflow (become 0), land among the subnormals (fewer significant bits), stay normal,
+    or overflow to inf. Each row is chapter 01's format_limits.fates at that scale, plus "scale" and "n".
+
+    The product is computed as GradScaler's `scale()` computes it: a float32 times the scale held as a
+    float32, rounded once to float32, then stored in `dtype`. (A float64 product would be rounded to
+    float64, then to float32 by torch's conversion, then to `dtype`: near a threshold that can differ
+    when the scale is not a float32 number, e.g. 1e-3.) The row's "scale" is that float32 scale; "n"
+    counts the non-zero finite values, which every fraction divides.
+    """
+    n = int(((values != 0) & torch.isfinite(values)).sum())
+    return [{"scale": s, "n": n, **fates(values, dtype, scale=s)} for s in map(f32, scales)]
+
+
+def _pow2(s: float) -> str:
+    e = math.log2(s) if s > 0 else math.nan
+    return f"2^{int(e)}" if e == int(e) else f"{s:g}"
+
+
+def format_fates(rows: Sequence[dict], dtype: torch.dtype = torch.float16) -> str:
+    """Chapter 03: fates_at_scales() as a table, in percent of the non-zero values."""
+    name = str(dtype).removeprefix("torch.")
+    out = [
+        f"{'scale':>8}  {'become 0':>9} {'subnormal':>10} {'normal':>8} {'overflow':>9}   "
+        f"(% of {rows[0]['n']:,} non-zero values, in {name})"
+    ]
+    for r in rows:
+        out.append(
+            f"{_pow2(r['scale']):>8}  {100 * r['underflow']:>9.3f} {100 * r['subnormal']:>10.3f} "
+            f"{100 * r['normal']:>8.3f} {100 * r['overflow']:>9.3f}"
+        )
+    return "\n".join(out)
+
+
+def plot_gradient_histograms(samples: dict[str, torch.Tensor], scales: Sequence[float] = (1.0, 2.0**16)):
+    """Chapter 03: histograms of log2|gradient × scale| against fp16's ranges, one panel per scale."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(scales), figsize=(6 * len(scales), 3.8), sharey=True, squeeze=False)
+    bins = np.arange(-44, 30.5, 0.5)
+    for ax, s in zip(axes[0], scales):
+        ax.axvspan(bins[0], -25, color="0.55", alpha=0.35, label="rounds to 0 in fp16")
+        ax.axvspan(-25, -14, color="C1", alpha=0.18, label="fp16 subnormal")
+        ax.axvspan(-14, math.log2(FP16_MAX), color="C2", alpha=0.12, label="fp16 normal")
+        ax.axvspan(16, bins[-1], color="C3", alpha=0.18, label="overflows to inf")
+        for i, (name, v) in enumerate(samples.items()):
+            nz = v[v != 0].double().abs() * s
+            hist, _ = np.histogram(torch.log2(nz).numpy(), bins=bins)
+            ax.step(
+                bins[:-1],
+                100 * hist / max(1, nz.numel()),
+                where="post",
+                color=f"C{i * 4}",
+                lw=1.5,
+                label=f"{name} ({nz.numel():,})",
+            )
+        ax.set_xlabel("log2 |gradient × scale|" + ("" if s == 1 else f"   (scale {_pow2(s)})"))
+        ax.set_title(f"scale {_pow2(s)}")
+        ax.set_xlim(bins[0], bins[-1])
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("share of non-zero values (% per 0.5 bin)")
+    axes[0][0].legend(loc="upper left", fontsize=7.5)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,13 @@
+"""Chapter 08 (08_distributed.ipynb): the library code its cells call, one module per topic.
+
+- ddp_launch.py: torchrun started from a notebook or a shell, and every process it started stopped
+  again.
+- ddp_worker.py: One rank of chapter 08's DDP run: the program torchrun starts in every process.
+- distributed.py: real DDP with torchrun, launched from a notebook or a shell, and checked.
+
+Its exercises are checked by course_lib/tooling/checks/ch08.py; the half of each check that runs
+in the learner's kernel is course_lib/tooling/probes/ch08.py. Imports: the core, and earlier
+chapters only (tests/test_structure.py keeps it so).
+"""
+
+__all__: list[str] = []

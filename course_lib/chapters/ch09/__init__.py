@@ -1,0 +1,19 @@
+"""Chapter 09 (09_capstone.ipynb): the library code its cells call, one module per topic.
+
+- ladder.py: The optimisation ladder of chapter 09: one change per rung, each measured, in one run.
+- parity.py: Does mixed precision learn the same model? Chapter 09's answer, measured against seed
+  noise.
+- recorded_profiles.py: What the recorded GPU profiles say, chapter 09: each function reads a
+  recorded file and returns sentences computed from its numbers.
+- rungs.py: The ladder's rungs, chapter 09: what a rung is, the first ladder (the course's own
+  model), how rows are read.
+- speedup.py: A deliberately slow training script, and the settings that make it fast: exercise 09.
+- targets.py: The course's performance targets (COURSE_SPEC section 8), computed from the ladders'
+  rows.
+
+Its exercises are checked by course_lib/tooling/checks/ch09.py; the half of each check that runs
+in the learner's kernel is course_lib/tooling/probes/ch09.py. Imports: the core, and earlier
+chapters only (tests/test_structure.py keeps it so).
+"""
+
+__all__: list[str] = []

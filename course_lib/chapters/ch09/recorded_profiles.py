@@ -1,0 +1,197 @@
+"""What the recorded GPU profiles say, chapter 09: each function reads a recorded file and returns sentences
+computed from its numbers.
+
+`tools/gpu_study.py questions` profiled three open questions on a GPU (questions_<gpu>.json): why the course's
+small CNN gets slower with AMP there (`read_host_bound`), why fp16 trains ResNet-50 faster than bf16
+(`read_batch_norm`), and what holds the GPT's MFU (`read_mfu`). `tools/gpu_study.py roofline` timed the GPT's
+output layer with the real and the padded vocabulary (`read_vocab_padding`; `vocab_padding_times` measures
+it here). `read_checkpointing` reads the checkpointing rows of the ladder in bytes.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import torch
+
+from course_lib.timing import time_fn
+
+__all__ = [
+    "read_fp8",
+    "read_host_bound",
+    "read_batch_norm",
+    "read_mfu",
+    "vocab_padding_times",
+    "read_vocab_padding",
+    "read_checkpointing",
+]
+
+
+def _fill(text: str) -> str:
+    return textwrap.fill(text, 100, subsequent_indent="    ")
+
+
+def read_host_bound(profiles: dict[str, dict]) -> str:
+    """Chapter 09: the small CNN's recorded steps (questions_<gpu>.json "simplecnn"): wall time against the
+    GPU's kernel time and the number of kernels launched, per mode, and what that says about AMP there."""
+    out = [f"{'mode':<22}{'ms/step':>9}{'GPU kernels, ms':>17}{'kernels/step':>14}{'GPU busy':>10}"]
+    for mode, r in profiles.items():
+        k = r["kernels"]
+        busy = k["gpu_us_per_step"] / 1e3 / r["ms_per_step"]
+        out.append(
+            f"{mode:<22}{r['ms_per_step']:>9.2f}{k['gpu_us_per_step'] / 1e3:>17.2f}{k['kernels_per_step']:>14.0f}"
+            f"{busy:>10.0%}"
+        )
+    base, low = profiles.get("fp32"), profiles.get("bf16")
+    if base and low:
+        kb, kl = base["kernels"], low["kernels"]
+        out.append(
+            _fill(
+                f"bf16 cut the GPU's kernel time from {kb['gpu_us_per_step'] / 1e3:.2f} to "
+                f"{kl['gpu_us_per_step'] / 1e3:.2f} ms, yet the step went from {base['ms_per_step']:.2f} to "
+                f"{low['ms_per_step']:.2f} ms. The GPU is busy for only part of each step; the rest is the "
+                f"host, launching {kl['kernels_per_step']:.0f} kernels instead of {kb['kernels_per_step']:.0f} "
+                "(autocast's casts among them)."
+                + (
+                    " A step the host sets is not made faster by faster arithmetic."
+                    if low["ms_per_step"] >= base["ms_per_step"]
+                    else ""
+                )
+            )
+        )
+    return "\n".join(out)
+
+
+def _batch_norm_op(ops: list[dict]) -> str:
+    """The ATen batch-norm op that took the most time in a recorded op table."""
+    norms = [o for o in ops if "batch_norm" in o["op"] and "backward" not in o["op"]]
+    return max(norms, key=lambda o: o["us"])["op"] if norms else "?"
+
+
+def read_batch_norm(profiles: dict[str, dict]) -> str:
+    """Chapter 09: ResNet-50 + channels_last in fp16 against bf16 (questions_<gpu>.json "resnet50"): images/s,
+    GPU time per step by kind of kernel, and which batch-norm implementation each precision ran."""
+    classes = ("conv/gemm", "batch_norm", "elementwise", "reduce", "copy/cast", "optimizer")
+    out = [f"{'AMP':<6}{'images/s':>9}" + "".join(f"{c:>12}" for c in classes) + "   batch-norm op"]
+    for prec, r in profiles.items():
+        by = r["kernels"]["by_class_us"]
+        out.append(
+            f"{prec:<6}{r['images_per_s']:>9.0f}"
+            + "".join(f"{by.get(c, 0) / 1e3:>12.1f}" for c in classes)
+            + f"   {_batch_norm_op(r['ops'])}"
+        )
+    out.append("(GPU milliseconds per step by kind of kernel)")
+    fp16, bf16 = profiles.get("fp16"), profiles.get("bf16")
+    if fp16 and bf16:
+        f, b = fp16["kernels"]["by_class_us"], bf16["kernels"]["by_class_us"]
+        gap = (bf16["kernels"]["gpu_us_per_step"] - fp16["kernels"]["gpu_us_per_step"]) / 1e3
+        bn_gap = (b.get("batch_norm", 0) - f.get("batch_norm", 0)) / 1e3
+        out.append(
+            _fill(
+                f"fp16 trained {fp16['images_per_s'] / bf16['images_per_s']:.2f}x as fast as bf16. Of the "
+                f"{gap:.1f} ms of GPU time per step that bf16 spends more, batch norm accounts for {bn_gap:.1f} ms: "
+                f"in fp16 PyTorch runs {_batch_norm_op(fp16['ops'])}, in bf16 "
+                f"{_batch_norm_op(bf16['ops'])}, its own kernels. The convolutions and matmuls take "
+                f"{b.get('conv/gemm', 0) / 1e3:.1f} against {f.get('conv/gemm', 0) / 1e3:.1f} ms."
+            )
+        )
+    return "\n".join(out)
+
+
+def read_mfu(gpt: dict) -> str:
+    """Chapter 09: the GPT-2-small recipe's recorded profile (questions_<gpu>.json "gpt"): MFU per batch and
+    where the GPU time of a step went: matmuls, attention, fused Triton kernels, the optimizer."""
+    peak = gpt.get("mfu_peak_tflops")
+    out = []
+    for r in gpt["rows"]:
+        if "mfu" not in r:
+            continue
+        k = r["kernels"]
+        step_us = r["ms_per_step"] * 1e3
+        shares = ", ".join(f"{c} {us / step_us:.0%}" for c, us in k["by_class_us"].items() if us / step_us >= 0.01)
+        out.append(
+            _fill(
+                f"batch {r['batch']} x {r['seq']}: {r['ms_per_step']:.1f} ms per step, MFU {r['mfu']:.1%} of "
+                f"{peak:.0f} TFLOP/s; the GPU was busy {r['gpu_busy']:.0%} of the step: {shares}. The matmuls ran "
+                f"at {r['gemm_tflops']:.0f} TFLOP/s ({r['gemm_tflops'] / peak:.0%} of the peak), attention at "
+                f"{r['attention_tflops']:.0f}."
+            )
+        )
+    return "\n".join(out)
+
+
+def vocab_padding_times(tokens: int = 1024, width: int = 768, device: str = "cpu") -> dict[int, float]:
+    """Chapter 09: ms for the GPT's output layer, a (tokens x width) @ (width x vocab) matmul, with GPT-2's
+    50,257 words and with the vocabulary padded to 50,304 (a multiple of 64), measured here."""
+    out = {}
+    for vocab in (50257, 50304):
+        x = torch.randn(tokens, width, device=device)
+        w = torch.randn(width, vocab, device=device)
+        out[vocab] = time_fn(lambda x=x, w=w: x @ w, warmup=2, iters=5, device=device).median_ms
+    return out
+
+
+def read_vocab_padding(shapes: list[dict]) -> str:
+    """Chapter 09: the recorded output-layer and K-sweep matmuls (roofline_<gpu>.json "shapes") as a table,
+    with the padded vocabulary's speed-up in words."""
+    out = [f"{'matmul':<10}{'dtype':<6}{'M x K x N':>22}{'ms':>8}{'TFLOP/s':>9}"]
+    for r in shapes:
+        out.append(
+            f"{r['what']:<10}{r['dtype']:<6}{r['m']:>8} x {r['k']:>4} x {r['n']:>5}{r['ms']:>8.3f}{r['tflops']:>9.0f}"
+        )
+    for dtype in sorted({r["dtype"] for r in shapes}):
+        head = {r["n"]: r["ms"] for r in shapes if r["what"] == "lm_head" and r["dtype"] == dtype}
+        if {50257, 50304} <= set(head):
+            out.append(
+                f"{dtype}: 47 more vocabulary columns (50,304) made the output layer {head[50257] / head[50304]:.1f}x "
+                "faster"
+            )
+    return "\n".join(out)
+
+
+def read_checkpointing(rows: list[dict]) -> str:
+    """Chapter 09: the checkpointing rows (without, with) in bytes: how far the peak and the bytes saved for
+    backward fell, each in GiB, and the time it cost."""
+    a, b = rows
+    saved = (a["saved_mib"] - b["saved_mib"]) / 1024
+    out = [f"saved for backward: {a['saved_mib'] / 1024:.2f} -> {b['saved_mib'] / 1024:.2f} GiB ({saved:.2f} GiB less)"]
+    if a.get("peak_memory_gib") and b.get("peak_memory_gib"):
+        peak = a["peak_memory_gib"] - b["peak_memory_gib"]
+        out.append(f"peak: {a['peak_memory_gib']:.2f} -> {b['peak_memory_gib']:.2f} GiB ({peak:.2f} GiB less)")
+        out.append(
+            _fill(
+                f"The peak fell by {peak / saved:.0%} of what the blocks stopped saving"
+                + (
+                    ": the saved activations were part of the peak, and checkpointing removed them."
+                    if peak > 0.9 * saved
+                    else "."
+                )
+                + f" The {b['peak_memory_gib']:.2f} GiB left are what checkpointing does not touch."
+            )
+        )
+    out.append(f"time per step: x{b['ms_per_step'] / a['ms_per_step']:.2f} (the blocks' forward runs twice)")
+    return "\n".join(out)
+
+
+def read_fp8(gemms: list[dict], gpt: dict | None = None) -> str:
+    """Chapter 09: fp8 (e4m3, tensorwise scales) against bf16 on a recorded GPU: each matmul's time alone
+    and with the casts to fp8 done in eager PyTorch (roofline_<gpu>.json "fp8"), then, if given, GPT-2
+    small trained with torchao's float8 against bf16 (fp8gpt_<gpu>.json): step time and final loss."""
+    out = [f"{'matmul':<9}{'M x K x N':>22}{'bf16 ms':>9}{'fp8 ms':>8}{'speed-up':>9}{'with casts':>12}"]
+    for r in gemms:
+        if "tensorwise_ms" not in r:
+            continue
+        out.append(
+            f"{r['what']:<9}{r['m']:>7} x {r['k']:>5} x {r['n']:>5}{r['bf16_ms']:>9.3f}{r['tensorwise_ms']:>8.3f}"
+            f"{r['bf16_ms'] / r['tensorwise_ms']:>8.2f}x{r['bf16_ms'] / r['tensorwise_with_cast_ms']:>11.2f}x"
+        )
+    rows = [r for r in (gpt or {}).get("rows", []) if "ms_per_step" in r]
+    if rows:
+        base = rows[0]
+        for r in rows:
+            tail = r["losses"][-5:]
+            out.append(
+                f"GPT-2 small, {r['recipe']:<10} batch {r['batch']} x {r['seq']}: {r['ms_per_step']:.1f} ms per step, "
+                f"x{base['ms_per_step'] / r['ms_per_step']:.2f}; loss at the end {sum(tail) / len(tail):.3f}"
+            )
+    return "\n".join(out)
