@@ -12,16 +12,14 @@ Where the images come from (provenance and licence: data/README.md):
 A dataset that is not available raises DatasetUnavailable with what to do: the loader never
 substitutes one dataset for another.
 
-Only numpy and torch are imported here: torchvision is optional (a CPU torch wheel next to a
-CUDA torchvision wheel fails at import), so it is imported lazily and only to download.
+How each source is read (the shipped file's checks, Debian's IDX files, torchvision's download
+with a timeout) is plumbing, in course_lib/_sources.py; here is what a learner reads: which source
+is used when, and how the arrays become normalised tensors.
 """
 
 from __future__ import annotations
 
-import gzip
-import hashlib
 import os
-import socket
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -31,24 +29,12 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from course_lib import _sources as sources  # where the raw arrays come from: plumbing, not for reading
+
 __all__ = ["DATA_DIR", "DatasetUnavailable", "DatasetBundle", "load_dataset"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR: Path = Path(os.environ.get("COURSE_DATA_DIR") or REPO_ROOT / "data")
-DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
-SHIPPED_FILE = "fashion_mnist_20k.npz"
-# sha256 over (key name + raw bytes) of every array, keys sorted; see data/build_subset.py.
-# Checked on every load (~16 MB of hashing, a few tens of ms) so a truncated clone or a Git LFS
-# pointer gives a clear message instead of a strange accuracy.
-SHIPPED_ARRAY_SHA256 = "8456a991df7dd56bd38a39b858d21362ba959ea268b385aac262d59327f587fc"
-SHIPPED_LAYOUT = {  # key -> (shape, dtype)
-    "x_train": ((10000, 28, 28), np.uint8),
-    "y_train": ((10000,), np.uint8),
-    "train_index": ((10000,), np.int32),
-    "x_test": ((10000, 28, 28), np.uint8),
-    "y_test": ((10000,), np.uint8),
-    "classes": ((10,), np.dtype("<U11")),
-}
 DATASETS = ("fashion_mnist", "cifar10", "synthetic")
 FASHION_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                    "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]  # fmt: skip
@@ -57,7 +43,6 @@ CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog
 # numbers, so a model trained on the subset sees the same input scale as one on the full set.
 FASHION_MEAN, FASHION_STD = (0.2860,), (0.3530,)
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-DOWNLOAD_TIMEOUT_S = 20  # torchvision's urlopen has no timeout: a black-hole network would hang
 
 
 class DatasetUnavailable(RuntimeError):
@@ -103,21 +88,9 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "amp-course"
 
 
-# ----------------------------------------------------------------------------- raw sources
-# Each returns numpy uint8 images (N, H, W) or (N, C, H, W) and integer labels, or None/raises.
-
-
-def _array_sha256(arrays: dict[str, np.ndarray]) -> str:
-    h = hashlib.sha256()
-    for key in sorted(arrays):
-        h.update(key.encode())
-        h.update(np.ascontiguousarray(arrays[key]).tobytes())
-    return h.hexdigest()
-
-
 def _shipped_path() -> Path:
     # Read the environment at call time too, so a notebook (or test) can redirect it late.
-    return Path(os.environ.get("COURSE_DATA_DIR") or DATA_DIR) / SHIPPED_FILE
+    return Path(os.environ.get("COURSE_DATA_DIR") or DATA_DIR) / sources.SHIPPED_FILE
 
 
 def _display(path: Path) -> str:
@@ -125,92 +98,6 @@ def _display(path: Path) -> str:
         return str(path.resolve().relative_to(REPO_ROOT))
     except ValueError:
         return str(path)
-
-
-def _load_shipped(path: Path) -> dict[str, np.ndarray]:
-    fix = (
-        f"Rebuild it with `python data/build_subset.py` (needs `apt-get install "
-        f"dataset-fashion-mnist`) or restore it with `git checkout -- data/{SHIPPED_FILE}` "
-        f"(or re-clone the course)."
-    )
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except Exception as e:  # BadZipFile, zlib.error, ValueError (not a zip), EOFError, ...
-        raise RuntimeError(f"The shipped dataset {path} is unreadable ({type(e).__name__}: {e}). {fix}") from e
-    if set(arrays) != set(SHIPPED_LAYOUT):
-        raise RuntimeError(
-            f"The shipped dataset {path} has keys {sorted(arrays)}, expected {sorted(SHIPPED_LAYOUT)}. {fix}"
-        )
-    for key, (shape, dtype) in SHIPPED_LAYOUT.items():
-        if arrays[key].shape != shape or arrays[key].dtype != dtype:
-            raise RuntimeError(
-                f"The shipped dataset {path}: {key} is {arrays[key].shape} "
-                f"{arrays[key].dtype}, expected {shape} {np.dtype(dtype)}. {fix}"
-            )
-    if _array_sha256(arrays) != SHIPPED_ARRAY_SHA256:
-        raise RuntimeError(
-            f"The shipped dataset {path} has the right layout but different contents (array sha256 mismatch). {fix}"
-        )
-    return arrays
-
-
-def _read_idx(path: Path) -> np.ndarray:
-    """IDX: 2 zero bytes, type byte (8 = uint8), ndim, ndim big-endian uint32 sizes, data."""
-    raw = path.read_bytes()
-    if path.suffix == ".gz":
-        raw = gzip.decompress(raw)
-    ndim = raw[3]
-    shape = tuple(int(s) for s in np.frombuffer(raw, ">u4", count=ndim, offset=4))
-    # .copy(): frombuffer over bytes is read-only, and torch.from_numpy warns on that.
-    return np.frombuffer(raw, np.uint8, offset=4 + 4 * ndim).reshape(shape).copy()
-
-
-def _debian_files(folder: Path) -> list[Path] | None:
-    names = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
-    for suffix in (".gz", ""):
-        files = [folder / (n + suffix) for n in names]
-        if all(f.is_file() for f in files):
-            return files
-    return None
-
-
-def _oneline(e: BaseException) -> str:
-    # torchvision's download errors span several lines; the cause is on the last one.
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-
-
-def _torchvision_arrays(name: str, root: Path, download: bool, say) -> tuple | None:
-    """torchvision FashionMNIST / CIFAR10 -> numpy; None (with a printed reason) on failure."""
-    try:
-        import torchvision  # lazy: a broken torchvision must not stop the shipped-data path
-    except (ImportError, RuntimeError, OSError) as e:
-        say(f"torchvision is not usable ({_oneline(e)})")
-        return None
-    cls = torchvision.datasets.CIFAR10 if name == "cifar10" else torchvision.datasets.FashionMNIST
-    old_timeout = socket.getdefaulttimeout()
-    socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)
-    try:
-        train = cls(str(root), train=True, download=download)
-        test = cls(str(root), train=False, download=download)
-    except (RuntimeError, OSError) as e:  # FashionMNIST wraps network errors; CIFAR10 raises URLError
-        say(f"torchvision {cls.__name__} failed ({_oneline(e)})")
-        return None
-    finally:
-        socket.setdefaulttimeout(old_timeout)
-
-    def arrays(ds):
-        x = np.asarray(ds.data)
-        if x.ndim == 4:  # CIFAR stores (N, H, W, C)
-            x = x.transpose(0, 3, 1, 2)
-        return np.ascontiguousarray(x), np.asarray(ds.targets)
-
-    return (*arrays(train), *arrays(test))
-
-
-def _torchvision_cached(name: str, root: Path) -> bool:
-    folder = "cifar-10-batches-py" if name == "cifar10" else "FashionMNIST/raw"
-    return (root / folder).is_dir() and any((root / folder).iterdir())
 
 
 # ----------------------------------------------------------------------------- assembly
@@ -277,8 +164,12 @@ def load_dataset(
     for arg, n in (("train_size", train_size), ("test_size", test_size)):
         if n is not None and n < 1:
             raise ValueError(f"{arg} must be a positive number of images or None (all), got {n}")
-    off = downloads_off() if allow_download is None else "" if allow_download else "allow_download=False was passed"
-    allow, root, notes = not off, Path(root) if root is not None else default_cache_dir(), []
+    off = downloads_off()  # why downloads are off ("" if they are on)
+    if allow_download is not None:
+        off = "" if allow_download else "allow_download=False was passed"
+    allow = not off
+    root = Path(root) if root is not None else default_cache_dir()
+    notes: list[str] = []
 
     def say(msg: str) -> None:
         notes.append(msg)
@@ -296,18 +187,25 @@ def load_dataset(
             "for throughput, not accuracy"
         )
         bundle = DatasetBundle(
-            "synthetic", "synthetic", train, test, [f"class {i}" for i in range(10)], (0.0,) * 3, (1.0,) * 3, what
+            name="synthetic",
+            source="synthetic",
+            train=train,
+            test=test,
+            classes=[f"class {i}" for i in range(10)],
+            mean=(0.0,) * 3,
+            std=(1.0,) * 3,
+            description=what,
         )
         if verbose:
             print(textwrap.fill(f"data: {bundle.description}", 100, subsequent_indent="      "))
         return bundle
 
     raw, source, origin = None, "", ""
-    debian_origin = f"from {DEBIAN_DIR} (Debian package dataset-fashion-mnist)"
+    debian_origin = f"from {sources.DEBIAN_DIR} (Debian package dataset-fashion-mnist)"
     torchvision_origin = f"via torchvision, cached in {root}"
     if key == "cifar10":
-        if allow or _torchvision_cached("cifar10", root):
-            raw = _torchvision_arrays("cifar10", root, download=allow, say=say)
+        if allow or sources.torchvision_cached("cifar10", root):
+            raw = sources.torchvision_arrays("cifar10", root, download=allow, say=say)
             source, origin = "torchvision-download", torchvision_origin
         if raw is None:
             fix = "Online, load_dataset('cifar10', allow_download=True) fetches it (170 MB)" if off else "Fix that"
@@ -316,27 +214,27 @@ def load_dataset(
                 "offline, use load_dataset('fashion_mnist') or 'synthetic'."
             )
     elif full:
-        if (files := _debian_files(DEBIAN_DIR)) is not None:
-            raw, source, origin = tuple(_read_idx(f) for f in files), "debian", debian_origin
-        elif allow or _torchvision_cached("fashion_mnist", root):
-            raw = _torchvision_arrays("fashion_mnist", root, download=allow, say=say)
+        if (files := sources.debian_files(sources.DEBIAN_DIR)) is not None:
+            raw, source, origin = tuple(sources.read_idx(f) for f in files), "debian", debian_origin
+        elif allow or sources.torchvision_cached("fashion_mnist", root):
+            raw = sources.torchvision_arrays("fashion_mnist", root, download=allow, say=say)
             source, origin = "torchvision-download", torchvision_origin
         if raw is None:
             raise DatasetUnavailable(
-                f"the full Fashion-MNIST (60k/10k) is not here: {DEBIAN_DIR} is not installed; {why()}. Install it "
-                "with `sudo apt-get install dataset-fashion-mnist`, go online with load_dataset(full=True, "
+                f"the full Fashion-MNIST (60k/10k) is not here: {sources.DEBIAN_DIR} is not installed; {why()}. "
+                "Install it with `sudo apt-get install dataset-fashion-mnist`, go online with load_dataset(full=True, "
                 "allow_download=True), or use the shipped subset: load_dataset() without full=True."
             )
     else:
         path = _shipped_path()
         if path.is_file():  # present but broken -> _load_shipped raises: never mask a bad file
-            a = _load_shipped(path)
+            a = sources.load_shipped(path)
             raw = (a["x_train"], a["y_train"], a["x_test"], a["y_test"])
             source, origin = "shipped", f"from {_display(path)}"
         else:
             raise DatasetUnavailable(
                 f"the shipped Fashion-MNIST subset {path} is missing. Restore it with "
-                f"`git checkout -- data/{SHIPPED_FILE}` (or re-clone the course), or rebuild it with "
+                f"`git checkout -- data/{sources.SHIPPED_FILE}` (or re-clone the course), or rebuild it with "
                 f"`python data/build_subset.py` (needs `apt-get install dataset-fashion-mnist`)."
             )
 
@@ -357,7 +255,16 @@ def load_dataset(
         f"{'CIFAR-10' if is_cifar else 'Fashion-MNIST'}, {kind} ({len(train):,} train / "
         f"{len(test):,} test{prefix}) {origin}"
     )
-    bundle = DatasetBundle(key, source, train, test, list(classes), tuple(mean), tuple(std), description)
+    bundle = DatasetBundle(
+        name=key,
+        source=source,
+        train=train,
+        test=test,
+        classes=list(classes),
+        mean=tuple(mean),
+        std=tuple(std),
+        description=description,
+    )
     if verbose:
         print(textwrap.fill(f"data: {bundle.description}", 100, subsequent_indent="      "))
     return bundle

@@ -11,12 +11,10 @@ emulated and slower than fp32.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import platform
 import textwrap
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -29,8 +27,6 @@ __all__ = [
     "has_native_bf16",
     "recommend_precision",
     "mixed_precision_for",
-    "has_tf32",
-    "tf32",
     "hardware_report",
     "gpu_cell",
 ]
@@ -145,39 +141,44 @@ def recommend_precision(
             flags = cpu_bf16_flags()
             if flags:
                 return Recommendation(
-                    "bf16",
-                    False,
-                    f"this CPU computes bf16 natively ({', '.join(flags)}); bf16 keeps fp32's range, so no scaler",
-                    "small models can still be faster in fp32 on a CPU: measure",
+                    precision="bf16",
+                    use_grad_scaler=False,
+                    reason=f"this CPU computes bf16 natively ({', '.join(flags)}); bf16 keeps fp32's range, "
+                    "so no scaler",
+                    warning="small models can still be faster in fp32 on a CPU: measure",
                 )
             return Recommendation(
-                "fp32",
-                False,
-                "this CPU has no AMX-BF16/AVX512-BF16: bf16 autocast would be "
+                precision="fp32",
+                use_grad_scaler=False,
+                reason="this CPU has no AMX-BF16/AVX512-BF16: bf16 autocast would be "
                 "converted in software and slower than fp32",
             )
         if dev.type == "mps":
             return Recommendation(
-                "fp16",
-                True,
-                "Apple GPUs run fp16 fast; fp16 needs loss scaling",
-                "the course is tested on CUDA and CPU, not on MPS",
+                precision="fp16",
+                use_grad_scaler=True,
+                reason="Apple GPUs run fp16 fast; fp16 needs loss scaling",
+                warning="the course is tested on CUDA and CPU, not on MPS",
             )
         capability = cuda_capability(dev)
     cc = tuple(capability)  # type: ignore[arg-type]
     if cc >= (8, 0):
-        return Recommendation("bf16", False, f"sm_{cc[0]}{cc[1]} has native bf16 Tensor Cores; bf16 has fp32's range")
+        return Recommendation(
+            precision="bf16",
+            use_grad_scaler=False,
+            reason=f"sm_{cc[0]}{cc[1]} has native bf16 Tensor Cores; bf16 has fp32's range",
+        )
     if cc >= (7, 0):
         return Recommendation(
-            "fp16",
-            True,
-            f"sm_{cc[0]}{cc[1]} has fp16 Tensor Cores but no native bf16 "
+            precision="fp16",
+            use_grad_scaler=True,
+            reason=f"sm_{cc[0]}{cc[1]} has fp16 Tensor Cores but no native bf16 "
             "(bf16 would be emulated and slow); fp16 needs loss scaling",
         )
     return Recommendation(
-        "fp32",
-        False,
-        f"sm_{cc[0]}{cc[1]} has no Tensor Cores: fp16 gains little there "
+        precision="fp32",
+        use_grad_scaler=False,
+        reason=f"sm_{cc[0]}{cc[1]} has no Tensor Cores: fp16 gains little there "
         "(P100 runs it at 2x fp32, other Pascal cards at 1/64)",
     )
 
@@ -191,29 +192,6 @@ def mixed_precision_for(device: torch.device | str | None = None) -> str:
     if amp == "fp32":
         amp = "bf16" if dev.type == "cpu" else "fp16"
     return amp
-
-
-def has_tf32(device: torch.device) -> bool:
-    """Chapter 00: does `device` have TF32 (NVIDIA Ampere and newer)? Elsewhere a "TF32" row would repeat
-    strict fp32."""
-    return device.type == "cuda" and (cuda_capability(device) or (0, 0)) >= (8, 0)
-
-
-@contextlib.contextmanager
-def tf32(enabled: bool) -> Iterator[None]:
-    """Chapters 00, 01: allow (or forbid) TF32 in fp32 matmuls and cuDNN convolutions, then restore.
-
-    PyTorch's defaults differ: fp32 matmuls do NOT use TF32 ('highest'), cuDNN convolutions DO.
-    "Strict FP32" therefore needs both switched off.
-    """
-    old = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    torch.set_float32_matmul_precision("high" if enabled else "highest")
-    torch.backends.cudnn.allow_tf32 = enabled
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(old[0])
-        torch.backends.cudnn.allow_tf32 = old[1]
 
 
 def check_precision(precision: str, device: torch.device | str) -> None:

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["SimpleCNN", "MLP"]
+__all__ = ["SimpleCNN", "MLP", "small_resnet", "resnet50", "GPTConfig", "GPT"]
 
 
 class SimpleCNN(nn.Module):
@@ -33,11 +33,11 @@ class SimpleCNN(nn.Module):
         self.pool = nn.AdaptiveAvgPool2d((1, 1))
         self.fc = nn.Linear(2 * width, num_classes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.relu(self.conv1(x))
-        x = torch.relu(self.conv2(x))
-        x = torch.flatten(self.pool(x), 1)
-        return self.fc(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, C, H, W)
+        x = torch.relu(self.conv1(x))  # (B, width, H-2, W-2): a 3x3 convolution without padding
+        x = torch.relu(self.conv2(x))  # (B, 2*width, H-4, W-4)
+        x = torch.flatten(self.pool(x), 1)  # (B, 2*width): the mean of each channel
+        return self.fc(x)  # (B, num_classes)
 
 
 class MLP(nn.Module):
@@ -73,7 +73,7 @@ def _torchvision_models():
 
 
 def small_resnet(in_channels: int = 3, num_classes: int = 10) -> nn.Module:
-    """Torchvision's ResNet-18 adapted to 28-32 px images.
+    """Chapter 04: torchvision's ResNet-18 adapted to 28-32 px images.
 
     A 3x3 stride-1 stem without max-pool (the usual CIFAR change): the ImageNet stem would
     shrink a 32 px image to 8 px before the first residual block.
@@ -85,7 +85,7 @@ def small_resnet(in_channels: int = 3, num_classes: int = 10) -> nn.Module:
 
 
 def resnet50(num_classes: int = 1000) -> nn.Module:
-    """Torchvision's ResNet-50, the model of NVIDIA's published AMP figures (224 px)."""
+    """Chapters 00, 09: torchvision's ResNet-50, the model of NVIDIA's published AMP figures (224 px)."""
     return _torchvision_models().resnet50(num_classes=num_classes)
 
 
@@ -94,7 +94,7 @@ def resnet50(num_classes: int = 1000) -> nn.Module:
 
 @dataclass
 class GPTConfig:
-    """The shape of a GPT. The defaults are GPT-2 small (124M parameters)."""
+    """Chapter 09: the shape of a GPT. The defaults are GPT-2 small (124M parameters)."""
 
     vocab_size: int = 50304  # GPT-2's 50257 tokens padded to a multiple of 64: matmuls tile evenly
     block_size: int = 1024  # the longest sequence
@@ -107,28 +107,41 @@ class GPTConfig:
 class _Attention(nn.Module):
     def __init__(self, c: GPTConfig) -> None:
         super().__init__()
-        self.qkv, self.proj = nn.Linear(c.n_embd, 3 * c.n_embd), nn.Linear(c.n_embd, c.n_embd)
-        self.n_head, self.sdpa = c.n_head, c.sdpa
+        self.qkv = nn.Linear(c.n_embd, 3 * c.n_embd)  # query, key and value of every head, in one matmul
+        self.proj = nn.Linear(c.n_embd, c.n_embd)
+        self.n_head = c.n_head
+        self.sdpa = c.sdpa
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, e = x.shape
-        q, k, v = (z.view(b, t, self.n_head, e // self.n_head).transpose(1, 2) for z in self.qkv(x).split(e, dim=2))
+        B, T, C = x.shape  # batch, sequence length, embedding width
+        hs = C // self.n_head  # head size
+        q, k, v = self.qkv(x).split(C, dim=2)  # each (B, T, C)
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         if self.sdpa:  # one fused kernel (flash / memory-efficient attention where the GPU has them)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # the textbook way: a t x t score matrix per head, masked, softmaxed
-            scores = (q @ k.transpose(-2, -1)) / (k.size(-1) ** 0.5)
-            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-            y = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
-        return self.proj(y.transpose(1, 2).reshape(b, t, e))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        else:  # the textbook way: a T x T score matrix per head, masked, softmaxed, all kept for backward
+            scores = (q @ k.transpose(-2, -1)) / (hs**0.5)  # (B, nh, T, T)
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            y = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, C)  # the heads side by side again
+        return self.proj(y)
 
 
 class _Block(nn.Module):
     def __init__(self, c: GPTConfig) -> None:
         super().__init__()
-        self.ln1, self.attn, self.ln2 = nn.LayerNorm(c.n_embd), _Attention(c), nn.LayerNorm(c.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(c.n_embd, 4 * c.n_embd), nn.GELU(), nn.Linear(4 * c.n_embd, c.n_embd))
+        self.ln1 = nn.LayerNorm(c.n_embd)
+        self.attn = _Attention(c)
+        self.ln2 = nn.LayerNorm(c.n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(c.n_embd, 4 * c.n_embd),  # (B, T, 4C)
+            nn.GELU(),
+            nn.Linear(4 * c.n_embd, c.n_embd),  # (B, T, C)
+        )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, C) in and out
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
@@ -143,23 +156,28 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig | None = None) -> None:
         super().__init__()
         c = self.config = config or GPTConfig()
-        self.wte, self.wpe = nn.Embedding(c.vocab_size, c.n_embd), nn.Embedding(c.block_size, c.n_embd)
+        self.wte = nn.Embedding(c.vocab_size, c.n_embd)  # token embedding
+        self.wpe = nn.Embedding(c.block_size, c.n_embd)  # position embedding
         self.blocks = nn.ModuleList(_Block(c) for _ in range(c.n_layer))
-        self.ln_f, self.lm_head = nn.LayerNorm(c.n_embd), nn.Linear(c.n_embd, c.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight
+        self.ln_f = nn.LayerNorm(c.n_embd)
+        self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: one (vocab, C) matrix embeds and predicts
         for m in self.modules():  # GPT-2's initialisation; N(0, 1) embeddings would make tied logits huge
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        pos = torch.arange(idx.size(1), device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):  # idx: (B, T) token ids
+        pos = torch.arange(idx.size(1), device=idx.device)  # (T,)
+        x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
         for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            x = block(x)  # (B, T, C)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+        if targets is None:
+            return logits, None
+        # .float(): the log-softmax over the whole vocabulary in fp32, on every device and autocast policy
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         return logits, loss
 
     def flops_per_token(self, seq_len: int) -> float:

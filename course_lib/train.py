@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from .device import check_precision, pick_device, recommend_precision
 
-__all__ = ["AMP_DTYPES", "StepResult", "amp_step", "TrainConfig", "History", "Trainer", "train"]
+__all__ = ["AMP_DTYPES", "StepResult", "amp_step", "TrainConfig", "History", "Trainer"]
 
 # The one place a precision becomes a dtype (None: autocast off).
 AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -71,7 +71,8 @@ def amp_step(
     device = next(model.parameters()).device
     forward = forward or (lambda x, y: loss_fn(model(x), y))
     optimizer.zero_grad(set_to_none=True)  # nothing from before counts
-    total, samples = torch.zeros((), device=device), sum(len(y) for _, y in micro_batches)
+    samples = sum(len(y) for _, y in micro_batches)
+    total = torch.zeros((), device=device)  # the step's mean loss, summed on the device: no sync
     is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
     for i, (x, y) in enumerate(micro_batches):
         share = len(y) / samples
@@ -206,9 +207,15 @@ class Trainer:
         """
         self.model.train()
         lr = self.optimizer.param_groups[0]["lr"]
-        batches, clip = [self._to_device(x, y) for x, y in micro_batches], self.cfg.clip_grad_norm
+        batches = [self._to_device(x, y) for x, y in micro_batches]
         r = amp_step(
-            self.model, self.optimizer, self.scaler, batches, self.amp_dtype, loss_fn=self.loss_fn, clip_grad_norm=clip
+            self.model,
+            self.optimizer,
+            self.scaler,
+            batches,
+            self.amp_dtype,
+            loss_fn=self.loss_fn,
+            clip_grad_norm=self.cfg.clip_grad_norm,
         )
         skipped = r.skipped
         if self.scheduler is not None and not bool(skipped):  # with fp16, the one sync this step adds
@@ -239,7 +246,9 @@ class Trainer:
     def evaluate(self, loader: Iterable) -> dict:
         """Mean loss and accuracy over `loader`, under the same autocast as training."""
         self.model.eval()
-        loss_sum, correct, count = torch.zeros((), device=self.device), torch.zeros((), device=self.device), 0
+        loss_sum = torch.zeros((), device=self.device)  # summed on the device, read once at the end
+        correct = torch.zeros((), device=self.device)
+        count = 0
         for x, y in loader:
             x, y = self._to_device(x, y)
             with self.autocast():
@@ -247,7 +256,8 @@ class Trainer:
                 loss_sum += self.loss_fn(out, y).float() * len(y)
             correct += (out.argmax(1) == y).sum()
             count += len(y)
-        loss, accuracy = (loss_sum / count).item(), (correct / count).item()
+        loss = (loss_sum / count).item()
+        accuracy = (correct / count).item()
         return {"epoch": self.epoch, "step": self.step_count, "loss": loss, "accuracy": accuracy}
 
     def fit(self, loader: torch.utils.data.DataLoader, eval_loader: Iterable | None = None) -> History:
@@ -260,7 +270,8 @@ class Trainer:
         because the sampler's order depends only on (seed, epoch) (see loaders.SeededSampler).
         A last partial accumulation group of an epoch is dropped, like drop_last.
         """
-        cfg, accum = self.cfg, max(1, self.cfg.accum_steps)
+        cfg = self.cfg
+        accum = max(1, cfg.accum_steps)
         per_epoch = len(loader) // accum
         total = min(cfg.max_steps or 10**12, cfg.epochs * per_epoch)
         bar = tqdm(
@@ -340,17 +351,3 @@ class Trainer:
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by save_checkpoint."""
         self.load_state_dict(torch.load(path, map_location=self.device, weights_only=False))
-
-
-def train(
-    model: nn.Module,
-    loader: torch.utils.data.DataLoader,
-    cfg: TrainConfig | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    eval_loader: Iterable | None = None,
-    lr: float = 1e-3,
-) -> tuple[Trainer, History]:
-    """Chapter 00: the one-call version: AdamW(lr) unless an optimizer is given."""
-    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr)
-    trainer = Trainer(model, optimizer, cfg)
-    return trainer, trainer.fit(loader, eval_loader)

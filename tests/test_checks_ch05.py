@@ -245,11 +245,11 @@ def test_one_call_inside_autocast_is_enough_to_fail(what):
 
 def test_the_last_case_makes_both_optimizers_skip_a_step():
     from course_lib.tooling.checks.ch05 import _reference
-    from course_lib.tooling.probes.ch05 import record
+    from course_lib.tooling.probes.ch05 import record_loop
     check = checks_for("05")[0]
     for seed in range(3):
         case = check.cases(random.Random(seed))[-1]
-        done = record(case, notebook_function(FIXED), torch.float16)
+        done = record_loop(case, notebook_function(FIXED), torch.float16)
         assert max(done["steps"]) < case["iterations"], done["steps"]  # a skipped step for each optimizer
         assert sum(c[0] == "scaler.step" for c in done["calls"]) == 2 * case["iterations"]  # yet called each time
         want = _reference(case, torch.float16)  # the grader's own count, without the Recorder

@@ -15,13 +15,14 @@ import pytest
 import torch
 from torch.utils.data import SequentialSampler, TensorDataset
 
+from course_lib import _sources as sources
 from course_lib import data, loaders
 from course_lib.chapters.ch00 import bench
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "data" / "fashion_mnist_20k.npz"
 SHIPPED_FILE_SHA256 = "9fb9d572aea2a69492f49787c9df5a0229588bebf6ebcf89302b2a8ac00d3c76"
-DEBIAN_PRESENT = data._debian_files(data.DEBIAN_DIR) is not None
+DEBIAN_PRESENT = sources.debian_files(sources.DEBIAN_DIR) is not None
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +35,7 @@ def repo_data_dir(monkeypatch):
 @pytest.fixture
 def no_full_set(monkeypatch, tmp_path):
     """Pretend the Debian package is not installed."""
-    monkeypatch.setattr(data, "DEBIAN_DIR", tmp_path / "no-debian")
+    monkeypatch.setattr(sources, "DEBIAN_DIR", tmp_path / "no-debian")
 
 
 @pytest.fixture
@@ -42,7 +43,7 @@ def no_downloads(monkeypatch):
     """Any attempt to reach torchvision's download code or the network fails the test loudly."""
     def boom(*args, **kwargs):
         raise AssertionError("a download was attempted under pytest")
-    monkeypatch.setattr(data, "_torchvision_arrays", boom)
+    monkeypatch.setattr(sources, "torchvision_arrays", boom)
     monkeypatch.setattr("urllib.request.urlopen", boom)
     monkeypatch.setattr(socket.socket, "connect", boom)
 
@@ -83,11 +84,11 @@ def test_verbose_false_prints_nothing(capsys):
 def test_build_script_reproduces_committed_npz_byte_for_byte(tmp_path):
     out = tmp_path / "rebuilt.npz"
     run = subprocess.run([sys.executable, str(REPO / "data" / "build_subset.py"),
-                          str(data.DEBIAN_DIR), "--out", str(out)],
+                          str(sources.DEBIAN_DIR), "--out", str(out)],
                          capture_output=True, text=True, timeout=120, check=True)
     assert out.read_bytes() == SHIPPED.read_bytes()
     assert SHIPPED_FILE_SHA256 in run.stdout
-    assert data.SHIPPED_ARRAY_SHA256 in run.stdout  # the module checks the same array hash
+    assert sources.SHIPPED_ARRAY_SHA256 in run.stdout  # the module checks the same array hash
 
 
 def _broken_copies(tmp_path: Path) -> dict[str, bytes]:
@@ -109,12 +110,12 @@ def test_corrupt_shipped_file_gives_clear_error_naming_file_and_fix(tmp_path, mo
     for what, content in _broken_copies(tmp_path).items():
         folder = tmp_path / what.replace(" ", "_")
         folder.mkdir()
-        (folder / data.SHIPPED_FILE).write_bytes(content)
+        (folder / sources.SHIPPED_FILE).write_bytes(content)
         monkeypatch.setenv("COURSE_DATA_DIR", str(folder))
         with pytest.raises(RuntimeError) as err:
             data.load_dataset(verbose=False)
         msg = str(err.value)
-        assert str(folder / data.SHIPPED_FILE) in msg, what
+        assert str(folder / sources.SHIPPED_FILE) in msg, what
         assert "python data/build_subset.py" in msg and "git checkout" in msg, what
 
 
@@ -249,7 +250,7 @@ def test_failed_download_is_an_error_and_restores_socket_timeout(tmp_path, monke
     previous = socket.getdefaulttimeout()
     with pytest.raises(data.DatasetUnavailable) as e:
         data.load_dataset("cifar10", allow_download=True, root=tmp_path, train_size=10, test_size=10)
-    assert _FakeCIFAR10.seen_timeouts[-1] == data.DOWNLOAD_TIMEOUT_S
+    assert _FakeCIFAR10.seen_timeouts[-1] == sources.DOWNLOAD_TIMEOUT_S
     assert socket.getdefaulttimeout() == previous
     assert "torchvision _FakeCIFAR10 failed (URLError" in capsys.readouterr().out
     # no network: the message says the download failed and why, and names no switch that was not set
@@ -406,8 +407,8 @@ def test_loader_and_build_script_agree_on_idx_parsing_and_checksum(tmp_path):
     path = tmp_path / "x-idx3-ubyte.gz"
     header = bytes([0, 0, 8, 3]) + np.array(images.shape, dtype=">u4").tobytes()
     path.write_bytes(gzip.compress(header + images.tobytes()))
-    assert np.array_equal(build.read_idx(path), images) and np.array_equal(data._read_idx(path), images)
+    assert np.array_equal(build.read_idx(path), images) and np.array_equal(sources.read_idx(path), images)
     arrays = {"b": images, "a": rng.integers(0, 10, 7, dtype=np.uint8)}
-    assert build.array_sha256(arrays) == data._array_sha256(arrays)
+    assert build.array_sha256(arrays) == sources.array_sha256(arrays)
     with np.load(SHIPPED, allow_pickle=False) as z:
-        assert build.array_sha256({k: z[k] for k in z.files}) == data.SHIPPED_ARRAY_SHA256
+        assert build.array_sha256({k: z[k] for k in z.files}) == sources.SHIPPED_ARRAY_SHA256

@@ -85,15 +85,6 @@ def test_peak_table_knows_datasheet_gpus_and_says_unknown_for_the_rest(name, dty
     assert MM.peak_tflops(name, dtype) == peak
 
 
-def test_tf32_context_switches_both_flags_and_restores_them():
-    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    with D.tf32(True):
-        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
-    with D.tf32(False):
-        assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
-    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == before
-
-
 def test_hardware_report_names_torch_version_and_recommendation():
     text = D.hardware_report("cpu")
     assert torch.__version__ in text and "recommended precision" in text

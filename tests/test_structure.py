@@ -18,7 +18,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "course_lib"
-CORE = sorted(p for p in PKG.glob("*.py") if p.name != "__init__.py")
+CORE = sorted(p for p in PKG.glob("*.py") if not p.name.startswith("_"))  # the core a learner reads
+# Plumbing the core needs but a learner need not read (where the raw images come from): private
+# modules beside the core, each within a core module's budget, imported by the core alone.
+PLUMBING = sorted(p for p in PKG.glob("_*.py") if p.name != "__init__.py")
 CHAPTER_HOMES = sorted(p for p in (PKG / "chapters").iterdir() if p.is_dir() and p.name != "__pycache__")
 CHAPTER_MODULES = sorted(p for p in (PKG / "chapters").rglob("*.py") if p.name != "__init__.py")
 CHAPTER_INITS = sorted((PKG / "chapters").rglob("__init__.py"))
@@ -49,8 +52,19 @@ def room(name: str) -> str:
 
 
 def test_the_rooms_exist_and_the_core_is_what_the_map_says():
-    assert [p.stem for p in CORE] == sorted(["device", "data", "loaders", "models", "train", "timing", "reference"])
+    core = ["device", "data", "loaders", "models", "train", "timing", "tables", "reference"]
+    assert [p.stem for p in CORE] == sorted(core)
+    assert [p.stem for p in PLUMBING] == ["_sources"]
     assert CHAPTER_MODULES and TOOLING
+
+
+@pytest.mark.parametrize("path", PLUMBING, ids=rel)
+def test_plumbing_is_small_private_and_used_by_the_core_alone(path):
+    assert lines(path) <= CORE_MODULE_BUDGET, f"{rel(path)} has {lines(path)} lines > {CORE_MODULE_BUDGET}"
+    assert public_names(path) == [], f"{rel(path)} is plumbing: nothing in it is for notebooks (__all__ = [])"
+    users = [rel(p) for p in CHAPTER_MODULES + TOOLING if module_name(path) in imported_modules(p)]
+    assert not users, f"only the core may import {rel(path)}: {users}"
+    assert any(module_name(path) in imported_modules(p) for p in CORE), f"no core module imports {rel(path)}"
 
 
 # --------------------------------------------------------------------------- budgets
@@ -124,7 +138,7 @@ def imported_modules(path: Path) -> set[str]:
     return out - {name}
 
 
-ALL_MODULES = CORE + CHAPTER_MODULES + CHAPTER_INITS + TOOLING
+ALL_MODULES = CORE + PLUMBING + CHAPTER_MODULES + CHAPTER_INITS + TOOLING
 
 
 @pytest.mark.parametrize("path", ALL_MODULES, ids=rel)
@@ -211,7 +225,9 @@ def private_names_imported(path: Path) -> list[str]:
 def test_no_private_name_crosses_a_chapter_home_or_leaves_the_core(path):
     # Inside one chapter's home, modules may share private helpers: they are one idea in one place.
     mine = chapter_of(module_name(path))
+    plumbing = {f"course_lib:{p.stem}" for p in PLUMBING} if path in CORE else set()  # the core's own plumbing
     crossing = [p for p in private_names_imported(path) if mine is None or chapter_of(p.split(":")[0]) != mine]
+    crossing = [p for p in crossing if p not in plumbing]
     assert not crossing, f"{rel(path)} imports private names from elsewhere: {crossing}"
 
 
@@ -361,7 +377,7 @@ def test_exercises_take_exactly_one_name_from_tooling(path):
 def test_the_map_lists_every_module_and_only_existing_ones():
     text = (PKG / "README.md").read_text()
     listed = set(re.findall(r"\[`([\w/]+\.py|[\w/]+/)`\]", text))
-    modules = {p.relative_to(PKG).as_posix() for p in CORE + CHAPTER_MODULES}
+    modules = {p.relative_to(PKG).as_posix() for p in CORE + PLUMBING + CHAPTER_MODULES}
     modules |= {p.relative_to(PKG).as_posix() for p in (PKG / "tooling").glob("*.py") if p.name != "__init__.py"}
     modules |= {"tooling/checks/", "tooling/probes/"}
     assert listed == modules

@@ -7,7 +7,7 @@ from torch.utils.data import TensorDataset
 
 from course_lib.loaders import make_loader
 from course_lib.models import MLP
-from course_lib.train import TrainConfig, Trainer, train
+from course_lib.train import TrainConfig, Trainer
 
 
 def data(n=64, seed=0):
@@ -124,8 +124,9 @@ def test_fit_returns_history_with_eval_and_checkpoint(tmp_path):
     cfg = TrainConfig(precision="fp32", device="cpu", epochs=2, progress=False,
                       checkpoint_path=str(tmp_path / "run.pt"))
     torch.manual_seed(0)
-    trainer, hist = train(MLP(in_features=64, hidden=32), make_loader(ds, 16), cfg,
-                          eval_loader=make_loader(ds, 32, shuffle=False))
+    model = MLP(in_features=64, hidden=32)
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg)
+    hist = trainer.fit(make_loader(ds, 16), make_loader(ds, 32, shuffle=False))
     assert len(hist.step) == len(hist.loss) == 8
     assert [e["epoch"] for e in hist.eval] == [0, 1] and 0.0 <= hist.eval[-1]["accuracy"] <= 1.0
     assert (tmp_path / "run.pt").exists() and not (tmp_path / "run.pt.tmp").exists()
@@ -137,8 +138,9 @@ def test_a_step_budget_that_ends_the_run_mid_epoch_still_evaluates():
     ds = data(64)
     cfg = TrainConfig(precision="fp32", device="cpu", epochs=1, max_steps=3, progress=False)
     torch.manual_seed(0)
-    trainer, hist = train(MLP(in_features=64, hidden=32), make_loader(ds, 16), cfg,
-                          eval_loader=make_loader(ds, 32, shuffle=False))
+    model = MLP(in_features=64, hidden=32)
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg)
+    hist = trainer.fit(make_loader(ds, 16), make_loader(ds, 32, shuffle=False))
     assert len(hist.step) == 3
     assert [(e["epoch"], e["step"]) for e in hist.eval] == [(0, 3)]
     assert "eval accuracy" in hist.summary()

@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-__all__ = ["Finding", "Notebook", "read", "stub_tasks", "forbidden_use", "reaching_code"]
+__all__ = ["SourceFinding", "Notebook", "read", "stub_tasks", "forbidden_use", "reaching_code"]
 
 STUB_MESSAGE = "Exercise"  # the stub raises NotImplementedError("Exercise: write your solution here")
 SAFE_MAGICS = {"matplotlib", "time", "timeit", "autoreload"}
@@ -66,7 +66,7 @@ FD_PATHS = re.compile(r"/proc/(self|\d+)/fd|/dev/fd")
 
 
 @dataclass
-class Finding:
+class SourceFinding:
     """Where the reading found something: 1-based code cell and line, and what it is."""
 
     cell: int
@@ -89,7 +89,7 @@ class Notebook:
     """A notebook's code cells, parsed as IPython would run them."""
 
     trees: list[ast.Module | None]
-    magics: list[Finding] = field(default_factory=list)
+    magics: list[SourceFinding] = field(default_factory=list)
     bindings: dict[str, list[_Binding]] = field(default_factory=dict)  # global name -> its bindings, in order
     star_imports: list[tuple[int, str]] = field(default_factory=list)
 
@@ -97,7 +97,7 @@ class Notebook:
 # --------------------------------------------------------------------------- reading
 
 
-def _python(cell: int, source: str, magics: list[Finding]) -> str:
+def _python(cell: int, source: str, magics: list[SourceFinding]) -> str:
     """The cell as Python: IPython's own transformation where IPython is installed (magics become
     get_ipython() calls, noted here and then blanked), else magic and shell lines blanked."""
     lines = source.splitlines()
@@ -105,7 +105,7 @@ def _python(cell: int, source: str, magics: list[Finding]) -> str:
     if lines and lines[0].lstrip().startswith("%%"):
         name = lines[0].lstrip()[2:].split()[0] if lines[0].strip() != "%%" else ""
         if name not in SAFE_MAGICS:
-            magics.append(Finding(cell, 1, f"the cell magic %%{name}"))
+            magics.append(SourceFinding(cell, 1, f"the cell magic %%{name}"))
             return ""
         lines = [""] + lines[1:]
     for i, line in enumerate(lines, 1):
@@ -114,7 +114,9 @@ def _python(cell: int, source: str, magics: list[Finding]) -> str:
         if text.startswith(("%", "!")) or shell:
             name = text.lstrip("%").split()[0] if text.startswith("%") and len(text) > 1 else ""
             if shell or text.startswith("!") or name not in SAFE_MAGICS:
-                magics.append(Finding(cell, i, f"the {'magic %' + name if name else 'shell command'} `{text[:40]}`"))
+                magics.append(
+                    SourceFinding(cell, i, f"the {'magic %' + name if name else 'shell command'} `{text[:40]}`")
+                )
             out.append(line[: len(line) - len(line.lstrip())] + "pass")
         else:
             out.append(line)
@@ -124,7 +126,7 @@ def _python(cell: int, source: str, magics: list[Finding]) -> str:
 def read(cells: list[str]) -> Notebook:
     """Parse the code cells in order (a cell that does not parse is skipped: the kernel cannot run it
     either) and record which global names each binds."""
-    magics: list[Finding] = []
+    magics: list[SourceFinding] = []
     trees: list[ast.Module | None] = []
     for n, source in enumerate(cells, 1):
         try:
@@ -273,7 +275,7 @@ def _without_annotations(node: ast.AST) -> list[ast.AST]:
     return [n for n in ast.walk(node) if id(n) not in skip]
 
 
-def forbidden_use(nb: Notebook, names: tuple[str, ...], prefixes: tuple[str, ...]) -> Finding | None:
+def forbidden_use(nb: Notebook, names: tuple[str, ...], prefixes: tuple[str, ...]) -> SourceFinding | None:
     """The first reference to a module in `prefixes` made by the functions `names` or anything of
     the notebook they reach; None when there is none."""
     if not prefixes:
@@ -288,7 +290,7 @@ def forbidden_use(nb: Notebook, names: tuple[str, ...], prefixes: tuple[str, ...
         if b.module is not None:  # an import the reached code uses by name
             hit = _matches(b.module, prefixes)
             if hit:
-                return Finding(b.cell, b.node.lineno, f"{b.module} (imported in that line)")
+                return SourceFinding(b.cell, b.node.lineno, f"{b.module} (imported in that line)")
             continue
         local = _local_names(b.node) if isinstance(b.node, (ast.FunctionDef, ast.AsyncFunctionDef)) else set()
         nodes = _without_annotations(b.node)
@@ -296,18 +298,18 @@ def forbidden_use(nb: Notebook, names: tuple[str, ...], prefixes: tuple[str, ...
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     if _matches(alias.name, prefixes):
-                        return Finding(b.cell, node.lineno, f"import {alias.name}")
+                        return SourceFinding(b.cell, node.lineno, f"import {alias.name}")
             elif isinstance(node, ast.ImportFrom) and node.module:
                 for alias in node.names:
                     if _matches(f"{node.module}.{alias.name}", prefixes) or _matches(node.module, prefixes):
-                        return Finding(b.cell, node.lineno, f"from {node.module} import {alias.name}")
+                        return SourceFinding(b.cell, node.lineno, f"from {node.module} import {alias.name}")
             chain = _dotted(node) if isinstance(node, (ast.Attribute, ast.Call)) else None
             if chain and chain[0] not in local:
                 for binding in nb.bindings.get(chain[0], []):
                     if binding.module is not None:
                         path = ".".join([binding.module, *chain[1]])
                         if _matches(path, prefixes):
-                            return Finding(b.cell, node.lineno, path)
+                            return SourceFinding(b.cell, node.lineno, path)
             if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in local:
                 bound = nb.bindings.get(node.id)
                 if bound:
@@ -320,14 +322,14 @@ def forbidden_use(nb: Notebook, names: tuple[str, ...], prefixes: tuple[str, ...
                 elif not hasattr(builtins, node.id):
                     for cell, module in nb.star_imports:
                         if _matches(module, prefixes):
-                            return Finding(cell, node.lineno, f"{node.id}, from `from {module} import *`")
+                            return SourceFinding(cell, node.lineno, f"{node.id}, from `from {module} import *`")
     return None
 
 
 # --------------------------------------------------------------------------- code that reaches the grader
 
 
-def reaching_code(nb: Notebook) -> list[Finding]:
+def reaching_code(nb: Notebook) -> list[SourceFinding]:
     """Code that could read or rewrite the grading code inside the kernel (module docstring)."""
     found = list(nb.magics)
     modules = {name: path for name, bs in nb.bindings.items() for b in bs if (path := b.module) is not None}
@@ -348,11 +350,11 @@ def reaching_code(nb: Notebook) -> list[Finding]:
             if id(node) in asked:
                 continue
             if isinstance(node, ast.Name) and node.id in IPYTHON_HISTORY and node.id not in stored:
-                found.append(Finding(cell, node.lineno, f"IPython's history {node.id}"))
+                found.append(SourceFinding(cell, node.lineno, f"IPython's history {node.id}"))
                 continue
             what = _reaching(node, modules)
             if what:
-                found.append(Finding(cell, getattr(node, "lineno", 0), what))
+                found.append(SourceFinding(cell, getattr(node, "lineno", 0), what))
     return sorted(found, key=lambda f: (f.cell, f.line))
 
 

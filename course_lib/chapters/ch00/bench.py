@@ -17,9 +17,11 @@ so that no sentence in the notebook claims "faster" or "slower" without them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import sys
 import textwrap
+from typing import Iterator
 
 import torch
 
@@ -27,23 +29,48 @@ from course_lib.device import (
     cpu_bf16_flags,
     cuda_capability,
     has_native_bf16,
-    has_tf32,
     mixed_precision_for,
     pick_device,
-    tf32,
 )
 from course_lib.models import build_model
 from course_lib.reference import record
+from course_lib.tables import table
 from course_lib.timing import Timing, compare, peak_memory_bytes, time_fn
 from course_lib.train import TrainConfig, Trainer
 
 __all__ = [
+    "has_tf32",
+    "tf32",
     "draw_amp_step",
     "compare_runs",
     "precision_table",
     "format_precision_table",
     "read_table",
 ]
+
+
+def has_tf32(device: torch.device) -> bool:
+    """Chapter 00: does `device` have TF32 (NVIDIA Ampere and newer)? Elsewhere a "TF32" row would repeat
+    strict fp32."""
+    return device.type == "cuda" and (cuda_capability(device) or (0, 0)) >= (8, 0)
+
+
+@contextlib.contextmanager
+def tf32(enabled: bool) -> Iterator[None]:
+    """Chapters 00, 01: allow (or forbid) TF32 in fp32 matmuls and cuDNN convolutions, then restore.
+
+    PyTorch's defaults differ: fp32 matmuls do NOT use TF32 ('highest'), cuDNN convolutions DO.
+    "Strict FP32" therefore needs both switched off.
+    """
+    old = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old[0])
+        torch.backends.cudnn.allow_tf32 = old[1]
+
 
 # Input shape, constructor arguments and class count of each model the table can run.
 WORKLOADS: dict[str, tuple[tuple[int, ...], dict, int]] = {
@@ -238,18 +265,15 @@ def precision_table(
 
 def format_precision_table(rows: list[dict]) -> str:
     """Chapter 00: precision_table rows as text; "middle half" is where half of the timed steps fell."""
-    out = [f"{'mode':<30}{'ms/step':>9}{'middle half':>15}{'samples/s':>11}{'speed-up':>10}{'peak mem':>11}"]
-    for r in rows:
-        if "ms_per_step" not in r:
-            out.append(f"{r['mode']:<30}  skipped: {r['note']}")
-            continue
-        mem = f"{r['peak_memory_gib']:.2f} GiB" if r["peak_memory_gib"] is not None else "n/a (CPU)"
-        half = f"{r['ms_q1']:.1f}-{r['ms_q3']:.1f}"
-        out.append(
-            f"{r['mode']:<30}{r['ms_per_step']:>9.1f}{half:>15}{r['samples_per_s']:>11.0f}"
-            f"{r['speedup_vs_fp32']:>9.2f}x{mem:>11}"
-        )
-    return "\n".join(out)
+    columns = [
+        ("mode", "mode", ""),
+        ("ms/step", "ms_per_step", ".1f"),
+        ("middle half", lambda r: f"{r['ms_q1']:.1f}-{r['ms_q3']:.1f}", ""),
+        ("samples/s", "samples_per_s", ".0f"),
+        ("speed-up", lambda r: f"{r['speedup_vs_fp32']:.2f}x", ""),
+        ("peak mem GiB", "peak_memory_gib", ".2f"),  # n/a: no CUDA, no allocator to ask
+    ]
+    return table(rows, columns, skipped=lambda r: None if "ms_per_step" in r else f"skipped: {r['note']}")
 
 
 def read_table(rows: list[dict]) -> str:

@@ -19,6 +19,7 @@ from typing import Iterable, Sequence
 import torch
 
 from course_lib.chapters.ch01.formats import Format, from_unsigned, get_format, storage_format, to_unsigned
+from course_lib.tables import table
 
 __all__ = ["limits_table", "format_limits_table", "spacing", "fate", "fates", "sum_experiment", "fp8_roundtrip"]
 
@@ -72,18 +73,18 @@ def limits_table(names: Iterable[str] = ("fp32", "tf32", "fp16", "bf16", "fp8_e4
 def format_limits_table(names: Iterable[str] = ("fp32", "tf32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2")) -> str:
     """Chapter 01: limits_table as fixed-width text, lines under 100 characters (deterministic, so
     the notebook test compares it). "layout only": tf32 has no dtype, its row comes from its bits."""
-    out = [
-        f"{'format':<11}{'layout':>9}{'bias':>6}{'max':>12}{'min normal':>12}{'min subnormal':>15}"
-        f"{'eps':>11}{'digits':>8}  source"
+    columns = [
+        ("format", "format", ""),
+        ("layout", lambda r: f"1+{r['exponent_bits']}+{r['mantissa_bits']}", ""),
+        ("bias", "bias", ""),
+        ("max", "max", ".4e"),
+        ("min normal", "smallest_normal", ".3e"),
+        ("min subnormal", "smallest_subnormal", ".3e"),
+        ("eps", "eps", ".3e"),
+        ("digits", "decimal_digits", ".2f"),
+        ("source", "source", "<"),
     ]
-    for r in limits_table(names):
-        sub = "n/a" if r["smallest_subnormal"] is None else f"{r['smallest_subnormal']:.3e}"
-        out.append(
-            f"{r['format']:<11}{'1+%d+%d' % (r['exponent_bits'], r['mantissa_bits']):>9}{r['bias']:>6}"
-            f"{r['max']:>12.4e}{r['smallest_normal']:>12.3e}{sub:>15}{r['eps']:>11.3e}"
-            f"{r['decimal_digits']:>8.2f}  {r['source']}"
-        )
-    return "\n".join(out)
+    return table(limits_table(names), columns)
 
 
 def spacing(x: float | Sequence[float] | torch.Tensor, fmt: str | torch.dtype | Format) -> torch.Tensor:

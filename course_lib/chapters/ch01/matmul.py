@@ -7,7 +7,7 @@ faster from the datasheets; chapter 02 measures it, course_lib.chapters.ch02.mat
 the products are summed in fp32, which keeps the error near the floor set by rounding the inputs.
 
 The datasheet peaks they are compared with (PEAK_TFLOPS, fp8 too) are here; the TF32 switch
-(`tf32`) is in course_lib.device.
+(`tf32`) is chapter 00's (course_lib.chapters.ch00.bench).
 
     python -m course_lib.chapters.ch01.matmul error [--json data/reference/formats_matmul_<gpu>.json]
 """
@@ -22,9 +22,11 @@ from typing import Iterator, Sequence
 
 import torch
 
+from course_lib.chapters.ch00.bench import has_tf32, tf32
 from course_lib.chapters.ch01.formats import Format, get_format
-from course_lib.device import has_tf32, pick_device, tf32
+from course_lib.device import pick_device
 from course_lib.reference import record
+from course_lib.tables import table
 
 __all__ = [
     "matmul_error",
@@ -195,10 +197,10 @@ def matmul_table(ks: Sequence[int] = (256, 4096, 65536), device: str | torch.dev
 def matmul_table_text(rows: list[dict]) -> str:
     """Chapter 01: the rows of matmul_table as fixed-width text, one line per mode and a column
     per K (so that the eight modes of a GPU fit in 100 characters)."""
-    modes = [c for c in rows[0] if c != "K"]
-    out = [f"{'relative error':<16}" + "".join(f"{'K = ' + str(r['K']):>12}" for r in rows)]
-    out += [f"{m:<16}" + "".join(f"{r[m]:>12.2e}" for r in rows) for m in modes]
-    return "\n".join(out)
+    modes = [{"mode": c} for c in rows[0] if c != "K"]  # one line per mode, one column per K
+    columns = [("relative error", "mode", "")]
+    columns += [(f"K = {r['K']}", lambda m, r=r: r[m["mode"]], ".2e") for r in rows]
+    return table(modes, columns)
 
 
 def peak_ratios(
@@ -220,15 +222,17 @@ def peak_ratios(
 
 def peak_ratios_text(peaks: dict[str, dict[str, float | None]] = PEAK_TFLOPS) -> str:
     """Chapter 01: peak_ratios as a fixed-width table (datasheet figures: the same on every machine)."""
-    keys = ("tf32/fp32", "fp16/fp32", "bf16/fp32", "fp8/bf16")
-    out = [
-        "dense datasheet peaks: fp32 in TFLOP/s, the others as multiples of it (fp8: of bf16)",
-        f"{'GPU':<9}{'fp32':>6}" + "".join(f"{k.replace('/fp32', ''):>21}" for k in keys),
-    ]
-    for r in peak_ratios(peaks):
-        cells = [f"{r[k]:.1f}×" if isinstance(r[k], float) else (r[k] or "no Tensor Core path") for k in keys]
-        out.append(f"{r['gpu']:<9}{r['fp32_tflops']:>6}" + "".join(f"{c:>21}" for c in cells))
-    return "\n".join(out)
+
+    def ratio(value: float | str | None) -> str:
+        if isinstance(value, float):
+            return f"{value:.1f}×"
+        return value or "no Tensor Core path"  # "n/a": a path, but no cited figure
+
+    columns = [("GPU", "gpu", ""), ("fp32", "fp32_tflops", "")]
+    for key in ("tf32/fp32", "fp16/fp32", "bf16/fp32", "fp8/bf16"):
+        columns.append((key.replace("/fp32", ""), lambda r, key=key: ratio(r[key]), ""))
+    title = "dense datasheet peaks: fp32 in TFLOP/s, the others as multiples of it (fp8: of bf16)"
+    return title + "\n" + table(peak_ratios(peaks), columns)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,7 +78,11 @@ def field_of(position: int, fmt: str) -> str:
     f = get_format(fmt)
     if not 0 <= position < f.bits:
         raise ValueError(f"{f.name} has bit positions 0..{f.bits - 1}, not {position}")
-    return "sign" if position == 0 else "exponent" if position <= f.exponent_bits else "mantissa"
+    if position == 0:
+        return "sign"
+    if position <= f.exponent_bits:
+        return "exponent"
+    return "mantissa"
 
 
 def flip_bit(pattern: int, position: int, fmt: str) -> int:

@@ -32,6 +32,7 @@ from course_lib.chapters.ch02.autocast_policy import LOW_PRECISION
 from course_lib.chapters.ch02.saved_tensors import saved_bytes_by_kind
 from course_lib.models import MLP
 from course_lib.reference import record
+from course_lib.tables import table
 from course_lib.timing import peak_memory_bytes
 
 __all__ = [
@@ -107,15 +108,22 @@ def module_dtypes(
 
 def format_module_dtypes(rows: Sequence[ModuleDtypes]) -> str:
     """Chapter 02: module_dtypes as a table; marks where autocast changed the dtype."""
-    out = [f"{'module':<18}{'type':<20}{'in':>6}{'out':>6}"]
-    for r in rows:
-        mark = (
-            "  <- cast down"
-            if r.in_dtype == torch.float32 and r.out_dtype in LOW_PRECISION
-            else ("  <- cast up to fp32" if r.in_dtype in LOW_PRECISION and r.out_dtype == torch.float32 else "")
-        )
-        out.append(f"{r.name:<18}{r.kind:<20}{short(r.in_dtype):>6}{short(r.out_dtype):>6}{mark}")
-    return "\n".join(out)
+
+    def cast(r: ModuleDtypes) -> str:
+        if r.in_dtype == torch.float32 and r.out_dtype in LOW_PRECISION:
+            return "<- cast down"
+        if r.in_dtype in LOW_PRECISION and r.out_dtype == torch.float32:
+            return "<- cast up to fp32"
+        return ""
+
+    columns = [
+        ("module", "name", ""),
+        ("type", "kind", "<"),
+        ("in", lambda r: short(r.in_dtype), ""),
+        ("out", lambda r: short(r.out_dtype), ""),
+        ("", cast, "<"),
+    ]
+    return table(rows, columns)
 
 
 def memory_comparison(
@@ -205,16 +213,15 @@ def format_mlp_memory_rows(rows: Sequence[dict]) -> str:
     autocast's saved weight copies, and the whole step's peak in both. Files recorded before the
     saved bytes were told apart by kind hold peaks only here ("-")."""
 
-    def mib(v: float | None) -> str:
-        return "-" if v is None else f"{v:.1f}"
-
-    out = [f"{'autocast':<9}{'activations fp32':>17}{'low':>7}{'weight copies':>15}{'peak fp32':>11}{'peak low':>10}"]
-    for r in rows:
-        out.append(
-            f"{r['dtype']:<9}{mib(r.get('activations_fp32')):>17}{mib(r.get('activations_low')):>7}"
-            f"{mib(r.get('weight_copies_low')):>15}{mib(r.get('peak_fp32')):>11}{mib(r.get('peak_low')):>10}"
-        )
-    return "\n".join(out)
+    columns = [
+        ("autocast", "dtype", ""),
+        ("activations fp32", "activations_fp32", ".1f"),
+        ("low", "activations_low", ".1f"),
+        ("weight copies", "weight_copies_low", ".1f"),
+        ("peak fp32", "peak_fp32", ".1f"),
+        ("peak low", "peak_low", ".1f"),
+    ]
+    return table(rows, columns, missing="-")
 
 
 def read_mlp_memory_rows(rows: Sequence[dict], largest_weight_mib: float | None = None) -> str:

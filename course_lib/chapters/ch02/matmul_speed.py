@@ -14,9 +14,11 @@ import sys
 
 import torch
 
+from course_lib.chapters.ch00.bench import has_tf32, tf32
 from course_lib.chapters.ch01.matmul import peak_tflops
-from course_lib.device import has_tf32, pick_device, tf32
+from course_lib.device import pick_device
 from course_lib.reference import record
+from course_lib.tables import table
 from course_lib.timing import time_fn
 
 __all__ = ["matmul_tflops", "matmul_speed_table", "format_matmul_speed"]
@@ -74,12 +76,15 @@ def matmul_speed_table(n: int | None = None, device: str = "auto", iters: int = 
 
 def format_matmul_speed(rows: list[dict]) -> str:
     """Chapter 02: matmul_speed_table rows as text ("±" = interquartile range / median of the timings)."""
-    out = [f"{'dtype':<15}{'n':>7}{'TFLOP/s':>10}{'±':>6}{'peak':>8}{'of peak':>9}"]
-    for r in rows:
-        peak = f"{r['peak_tflops']:.0f}" if r["peak_tflops"] else "n/a"
-        frac = f"{r['fraction_of_peak']:.0%}" if r["fraction_of_peak"] else "n/a"
-        out.append(f"{r['dtype']:<15}{r['n']:>7}{r['tflops']:>10.3g}{r.get('spread', 0):>6.0%}{peak:>8}{frac:>9}")
-    return "\n".join(out)
+    columns = [
+        ("dtype", "dtype", ""),
+        ("n", "n", ""),
+        ("TFLOP/s", "tflops", ".3g"),
+        ("±", lambda r: r.get("spread", 0), ".0%"),
+        ("peak", "peak_tflops", ".0f"),  # n/a: a CPU, or a GPU the datasheet table does not know
+        ("of peak", "fraction_of_peak", ".0%"),
+    ]
+    return table(rows, columns)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,11 @@ class StorageOrigins(TorchDispatchMode):
 
     def kind(self, t: torch.Tensor) -> str:
         ptr = _ptr(t)
-        return "weight copies" if ptr in self.weight_copies else "activations" if ptr in self.made else "existing"
+        if ptr in self.weight_copies:
+            return "weight copies"
+        if ptr in self.made:
+            return "activations"
+        return "existing"
 
 
 def _ptr(t: object) -> int:  # a tensor's storage address; 0 for anything else and for meta tensors

@@ -12,11 +12,12 @@ layer produced, so the fix can go where the overflow starts.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+
+from course_lib.tables import table
 
 __all__ = ["trace_magnitudes", "first_nonfinite", "format_magnitudes"]
 
@@ -72,9 +73,20 @@ def format_magnitudes(rows: list[Magnitude], limit: float = 65504.0) -> str:
     """Chapters 03 and 09: the trace as a table; marks outputs beyond `limit` (fp16's largest) and the
     first non-finite one."""
     first = first_nonfinite(rows)
-    out = [f"{'layer':<16}{'type':<14}{'dtype':<10}{'max |finite|':>14}{'inf/NaN':>9}"]
-    for r in rows:
-        mark = "  <- first inf/NaN" if r is first else ("  <- beyond fp16" if r.max_abs > limit else "")
-        size = f"{r.max_abs:.3g}" if math.isfinite(r.max_abs) else "inf"
-        out.append(f"{r.name[:15]:<16}{r.kind[:13]:<14}{r.dtype:<10}{size:>14}{r.nonfinite:>9}{mark}")
-    return "\n".join(out)
+
+    def mark(r: Magnitude) -> str:
+        if r is first:
+            return "<- first inf/NaN"
+        if r.max_abs > limit:
+            return "<- beyond fp16"
+        return ""
+
+    columns = [
+        ("layer", lambda r: r.name[:15], ""),
+        ("type", lambda r: r.kind[:13], "<"),
+        ("dtype", "dtype", "<"),
+        ("max |finite|", "max_abs", ".3g"),  # format() writes an infinite float as "inf"
+        ("inf/NaN", "nonfinite", ""),
+        ("", mark, "<"),
+    ]
+    return table(rows, columns)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from course_lib.chapters.ch01.format_limits import fates
 from course_lib.chapters.ch03.scaler import f32
+from course_lib.tables import table
 
 __all__ = ["gradient_sample", "fates_at_scales", "format_fates", "plot_gradient_histograms"]
 
@@ -81,16 +82,15 @@ def _pow2(s: float) -> str:
 def format_fates(rows: Sequence[dict], dtype: torch.dtype = torch.float16) -> str:
     """Chapter 03: fates_at_scales() as a table, in percent of the non-zero values."""
     name = str(dtype).removeprefix("torch.")
-    out = [
-        f"{'scale':>8}  {'become 0':>9} {'subnormal':>10} {'normal':>8} {'overflow':>9}   "
-        f"(% of {rows[0]['n']:,} non-zero values, in {name})"
-    ]
-    for r in rows:
-        out.append(
-            f"{_pow2(r['scale']):>8}  {100 * r['underflow']:>9.3f} {100 * r['subnormal']:>10.3f} "
-            f"{100 * r['normal']:>8.3f} {100 * r['overflow']:>9.3f}"
-        )
-    return "\n".join(out)
+    columns = [("scale", lambda r: _pow2(r["scale"]), "")]
+    for header, key in (
+        ("become 0", "underflow"),
+        ("subnormal", "subnormal"),
+        ("normal", "normal"),
+        ("overflow", "overflow"),
+    ):
+        columns.append((f"{header} %", lambda r, key=key: 100 * r[key], ".3f"))
+    return f"% of {rows[0]['n']:,} non-zero values, in {name}\n" + table(rows, columns)
 
 
 def plot_gradient_histograms(samples: dict[str, torch.Tensor], scales: Sequence[float] = (1.0, 2.0**16)):

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from course_lib.chapters.ch02.saved_tensors import StorageOrigins, saved_bytes_by_kind, saved_tensor_bytes
 from course_lib.models import build_model
 from course_lib.reference import record
+from course_lib.tables import table
 from course_lib.timing import peak_memory_bytes, time_fn
 from course_lib.train import AMP_DTYPES, amp_step
 
@@ -165,17 +166,15 @@ def equivalence_rows(
 
 def format_equivalence_rows(rows: Sequence[dict], tolerance: float = 4.0) -> str:
     """Chapter 04: equivalence_rows as a table, with the verdict `vs_large <= tolerance x eps`."""
-    out = [
-        f"{'precision':<10}{'micro-batches':>14}{'accum vs large':>16}{'large vs fp64':>15}{'eps':>10}"
-        f"{'within ' + format(tolerance, 'g') + ' eps':>15}"
+    columns = [
+        ("precision", "precision", ""),
+        ("micro-batches", lambda r: f"{r['micro_batches']} x {r['micro_size']}", ""),
+        ("accum vs large", "vs_large", ".2e"),
+        ("large vs fp64", "large_vs_fp64", ".2e"),
+        ("eps", "eps", ".2e"),
+        (f"within {tolerance:g} eps", lambda r: "yes" if r["vs_large"] <= tolerance * r["eps"] else "NO", ""),
     ]
-    for r in rows:
-        ok = "yes" if r["vs_large"] <= tolerance * r["eps"] else "NO"
-        out.append(
-            f"{r['precision']:<10}{r['micro_batches']:>8} x {r['micro_size']:<4}{r['vs_large']:>16.2e}"
-            f"{r['large_vs_fp64']:>15.2e}{r['eps']:>10.2e}{ok:>15}"
-        )
-    return "\n".join(out)
+    return table(rows, columns)
 
 
 # --------------------------------------------------------------------------- memory
@@ -228,7 +227,7 @@ def peak_saved_bytes(fn: Callable[[], object]) -> int:
 
 TIMED_STEPS = 5  # per row of memory_rows, after 2 warm-up steps
 SAVED_COUNTS = "activations and weight copies"  # what saved_micro and peak_saved count, stored with each recording
-WORKLOADS = {"simplecnn": ((1, 28, 28), {"in_channels": 1}), "small_resnet": ((3, 32, 32), {"in_channels": 3})}
+MEMORY_MODELS = {"simplecnn": ((1, 28, 28), {"in_channels": 1}), "small_resnet": ((3, 32, 32), {"in_channels": 3})}
 
 
 def memory_rows(
@@ -244,7 +243,7 @@ def memory_rows(
     held at once over the whole step (`peak_saved`); on CUDA also the step's peak memory
     (`peak`) and time (`ms`, median, and `ms_q`, the middle half), None elsewhere.
     """
-    shape, kwargs = WORKLOADS[model]
+    shape, kwargs = MEMORY_MODELS[model]
     kind, cuda = device.split(":")[0], device.startswith("cuda")
     g = torch.Generator(device=device).manual_seed(0)
     x, y = torch.randn(batch, *shape, device=device, generator=g), torch.randint(0, 10, (batch,), device=device)
@@ -282,18 +281,19 @@ def memory_rows(
 def format_memory_rows(rows: Sequence[dict]) -> str:
     """Chapter 04: memory_rows as a table, sizes in MiB (n/a: no CUDA, or not timed)."""
     mib = 2.0**20
-    out = [
-        f"{'precision':<10}{'micro-batches':>15}{'saved/micro':>13}{'peak saved':>12}{'peak CUDA':>11}"
-        f"{'step ms (middle half)':>26}"
+
+    def step_ms(r: dict) -> str | None:
+        return None if r["ms"] is None else f"{r['ms']:.1f} ({r['ms_q'][0]:.1f}-{r['ms_q'][1]:.1f})"
+
+    columns = [
+        ("precision", "precision", ""),
+        ("micro-batches", lambda r: f"{r['micro_batches']} x {r['micro_size']}", ""),
+        ("saved/micro", lambda r: r["saved_micro"] / mib, ".1f"),
+        ("peak saved", lambda r: r["peak_saved"] / mib, ".1f"),
+        ("peak CUDA", lambda r: None if r["peak"] is None else r["peak"] / mib, ".0f"),
+        ("step ms (middle half)", step_ms, ""),
     ]
-    for r in rows:
-        peak = f"{r['peak'] / mib:.0f}" if r["peak"] is not None else "n/a"
-        ms = f"{r['ms']:.1f} ({r['ms_q'][0]:.1f}-{r['ms_q'][1]:.1f})" if r["ms"] is not None else "n/a"
-        out.append(
-            f"{r['precision']:<10}{r['micro_batches']:>8} x {r['micro_size']:<4}{r['saved_micro'] / mib:>13.1f}"
-            f"{r['peak_saved'] / mib:>12.1f}{peak:>11}{ms:>26}"
-        )
-    return "\n".join(out)
+    return table(rows, columns)
 
 
 def saved_kinds(
@@ -309,7 +309,7 @@ def saved_kinds(
 
 @functools.lru_cache(maxsize=8)
 def _saved_kinds(model: str, batch: int, precision: str, probe: int) -> tuple[tuple[str, int], ...]:
-    shape, kwargs = WORKLOADS[model]
+    shape, kwargs = MEMORY_MODELS[model]
     with torch.random.fork_rng():  # the values do not matter here; the caller's random state stays as it was
         net = build_model(model, **kwargs)
         x, y = torch.randn(batch, *shape), torch.randint(0, 10, (batch,))
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         description="memory and time of one optimizer step vs the number of micro-batches",
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--model", default="small_resnet", choices=sorted(WORKLOADS))
+    p.add_argument("--model", default="small_resnet", choices=sorted(MEMORY_MODELS))
     p.add_argument("--batch", type=int, default=512, help="effective batch (use less on a CPU)")
     p.add_argument("--accum", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=sorted(AMP_DTYPES))

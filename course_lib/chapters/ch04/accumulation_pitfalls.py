@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course_lib.chapters.ch04.accumulation import accumulated_grad, rel_diff, seeded_batch, seeded_mlp
+from course_lib.tables import table
 from course_lib.train import TrainConfig, Trainer
 
 __all__ = [
@@ -145,11 +146,9 @@ def norm_rows(
 
 def format_norm_rows(rows: Sequence[dict]) -> str:
     """Chapter 04: norm_rows as a table (relative distances from the large batch of len(x))."""
-    out = [f"{'normalization':<22}{'micro-batch':>12}{'gradient':>11}{'running mean':>14}"]
-    for r in rows:
-        rm = f"{r['running_mean']:.2e}" if r["running_mean"] is not None else "-"
-        out.append(f"{r['norm']:<22}{r['micro_size']:>12}{r['grad']:>11.2e}{rm:>14}")
-    return "\n".join(out)
+    columns = [("normalization", "norm", ""), ("micro-batch", "micro_size", ""), ("gradient", "grad", ".2e")]
+    columns.append(("running mean", "running_mean", ".2e"))  # "-": a norm without running statistics
+    return table(rows, columns, missing="-")
 
 
 # --------------------------------------------------------------------------- DDP: no_sync

@@ -34,9 +34,16 @@ def _adder(found: dict[str, str]) -> Callable:
 
 def _analyse(rec: Recorder, enabled: bool, accum: int, notes: list[str]) -> dict[str, str]:
     """code -> what was seen, for every mistake the events show."""
-    ev, found = rec.events, {}
-    add, kind = _adder(found), lambda k: [e for e in ev if e.kind == k]
-    backs, fwd, grads = kind("backward"), [e for e in kind("forward") if e.index == 0], kind("grad")
+    ev = rec.events
+    found: dict[str, str] = {}
+    add = _adder(found)
+
+    def kind(k: str) -> list:  # the events of one kind, in order
+        return [e for e in ev if e.kind == k]
+
+    backs = kind("backward")
+    fwd = [e for e in kind("forward") if e.index == 0]  # the first model's forwards
+    grads = kind("grad")
     boundary = [e for e in ev if e.kind == "scaler.step" or (e.kind == "step" and not e.info["via_scaler"])]
     counts = {  # code: (how many calls show the mistake, of how many)
         "backward_in_autocast": (sum(e.autocast for e in backs), len(backs)),
@@ -58,27 +65,38 @@ def _analyse(rec: Recorder, enabled: bool, accum: int, notes: list[str]) -> dict
         add("missing_update.never", n=n)  # a loop that raised has its own iteration (below)
     _analyse_chapter_09(rec, enabled, found, notes)
     n = len(rec.opts)
-    updates, start, zeroed, stepped, unscaled = 0, [0] * n, [False] * n, [False] * n, set()
+    # The state of the replay, per optimizer i where it is a list:
+    updates = 0  # scaler.update() calls so far
+    start = [0] * n  # the update count when optimizer i's gradients were last zeroed by a clean backward
+    zeroed = [False] * n  # gradients zeroed since optimizer i's last step
+    stepped = [False] * n  # optimizer i has stepped at least once
+    unscaled: set[int] = set()  # optimizers unscaled (or stepped) since the last update
     pending: list[bool | None] = [None] * n  # since each one's scaler.step(): a forward? (None: updated since)
-    since_update = since_step = window = 0  # forwards since the last update / step of optimizer 0; backwards
+    since_update = 0  # forwards of model 0 since the last update
+    since_step = 0  # forwards of model 0 since optimizer 0's last step
+    window = 0  # backwards since optimizer 0's last step
     for e in ev:
         if e.kind == "forward":
             pending = [p if p is None else True for p in pending]
         if e.kind == "forward" and e.index == 0:
-            since_update, since_step = since_update + 1, since_step + 1
+            since_update += 1
+            since_step += 1
         elif e.kind == "backward":
             if accum > 1 and e.info["clean"][0] and window:
                 add("zero_grad_in_window", n=window)
             for i, clean in enumerate(e.info["clean"]):
                 if clean:
-                    start[i], zeroed[i] = updates, True
+                    start[i] = updates
+                    zeroed[i] = True
             window += 1
         elif e.kind == "zero_grad":
             zeroed[e.index] = True
         elif e.kind == "update":
             if enabled and accum > 1 and since_update < accum:
                 add("update_per_microstep", n=since_update, accum=accum)
-            updates, since_update, pending = updates + 1, 0, [None] * n
+            updates += 1
+            since_update = 0
+            pending = [None] * n
             unscaled.clear()
         elif e.kind == "clip" and enabled and (bad := [i for i in e.info["owners"] if i not in unscaled]):
             add("clip_before_unscale", clip=e.info["kind"], i=bad[0], which="that" if updates else "the first")
@@ -102,8 +120,11 @@ def _analyse(rec: Recorder, enabled: bool, accum: int, notes: list[str]) -> dict
                 add("missing_zero_grad", i=i)
             if i == 0 and accum > 1 and since_step < accum:
                 add("step_per_microstep", n=since_step, accum=accum)
-            stepped[i], zeroed[i] = True, False
-            since_step, window = (0, 0) if i == 0 else (since_step, window)
+            stepped[i] = True
+            zeroed[i] = False
+            if i == 0:
+                since_step = 0
+                window = 0
             unscaled.add(i)
     return found
 
@@ -112,7 +133,9 @@ def _analyse_chapter_09(rec: Recorder, enabled: bool, found: dict[str, str], not
     """The mistakes chapter 09 adds: an inf/NaN loss, a collapsing scale, the scheduler before the step or on
     skipped steps, a scaler beside bf16, deprecated spellings, checkpoints without the scaler. Inf losses and
     skips after a step with scaled gradients (a direct step, a penalty) are said with that mistake."""
-    ev, add, low = rec.events, _adder(found), 2.0**8  # at 256 only gradients above 256 overflow fp16's 65504
+    ev = rec.events
+    add = _adder(found)
+    low = 2.0**8  # at 256 only gradients above 256 overflow fp16's 65504
     cut = next(
         (
             k
@@ -121,7 +144,9 @@ def _analyse_chapter_09(rec: Recorder, enabled: bool, found: dict[str, str], not
         ),
         len(ev),
     )
-    cause = None if cut == len(ev) else "step_without_scaler" if ev[cut].kind == "step" else "penalty_from_scaled_grads"
+    cause = None  # the mistake that scaled gradients reached a step through, if any
+    if cut < len(ev):
+        cause = "step_without_scaler" if ev[cut].kind == "step" else "penalty_from_scaled_grads"
     roots = [
         (k, e)
         for k, e in enumerate(ev)
@@ -146,10 +171,12 @@ def _analyse_chapter_09(rec: Recorder, enabled: bool, found: dict[str, str], not
     before = on_skipped = 0
     for k, e in ((k, e) for k, e in enumerate(ev) if e.kind == "sched"):  # which step is each scheduler step's?
         mine = [j for j in bounds if e.index is None or ev[j].index == e.index]
-        prev, nxt = max((j for j in mine if j < k), default=None), min((j for j in mine if j > k), default=None)
+        prev = max((j for j in mine if j < k), default=None)  # the optimizer's step before this scheduler step
+        nxt = min((j for j in mine if j > k), default=None)  # and after it
         step = prev if prev is not None and not forward(prev, k) else None
         if step is None and (prev is None or nxt is not None and not forward(k, nxt)):
-            before, step = before + 1, nxt  # stepped before the optimizer's step it belongs to
+            before += 1  # stepped before the optimizer's step it belongs to
+            step = nxt
         on_skipped += step is not None and ev[step].info.get("skipped", False)
     if before:
         add("scheduler_before_step", n=before)
@@ -167,9 +194,13 @@ def _analyse_chapter_09(rec: Recorder, enabled: bool, found: dict[str, str], not
 
 def _grad_check(rec: Recorder, model: nn.Module, batches: list, loss_fn: Callable) -> tuple[dict, str]:
     """Compare each optimizer step's gradient with a plain fp32 loop's on the same batches, same parameters."""
-    ref, found, worst, n = copy.deepcopy(model), {}, 0.0, 0
+    ref = copy.deepcopy(model)  # the plain fp32 loop's model
+    found: dict = {}
+    worst = 0.0  # the largest relative gradient error seen
+    n = 0  # steps compared
     for e in (e for e in rec.events if e.kind == "step" and e.index == 0):
-        lo, hi = e.info["start"], e.info["forwards"]
+        lo = e.info["start"]  # the forwards of this step's window: lo .. hi-1
+        hi = e.info["forwards"]
         xs = [rec.forwards[j][0] for j in range(lo, hi)]
         if (
             not xs
@@ -196,8 +227,10 @@ def _grad_check(rec: Recorder, model: nn.Module, batches: list, loss_fn: Callabl
         want = torch.cat([r.flatten().float() for _, r in pairs])
         if want.norm() == 0 or not torch.isfinite(user).all():
             continue
-        ratio, cos = (user.norm() / want.norm()).item(), F.cosine_similarity(user, want, dim=0).item()
-        worst, n = max(worst, ((user - want).norm() / want.norm()).item()), n + 1
+        ratio = (user.norm() / want.norm()).item()
+        cos = F.cosine_similarity(user, want, dim=0).item()
+        worst = max(worst, ((user - want).norm() / want.norm()).item())
+        n += 1
         if hi - lo > 1 and cos > 0.95 and abs(ratio - 1) > 0.15:  # the right direction, the wrong size
             _adder(found)("loss_not_divided", ratio=ratio, n=hi - lo, by=(hi - lo) / ratio)
     return found, (
@@ -224,12 +257,17 @@ def diagnose(
     accum_steps > 1, one model and `loss_fn(output, target)`, each step's gradient is also
     compared with a plain fp32 loop's. Your objects and the global RNG are left as they were.
     """
-    many_models, many_opts = isinstance(model, (list, tuple)), isinstance(optimizer, (list, tuple))
-    models, opts = list(model) if many_models else [model], list(optimizer) if many_opts else [optimizer]
-    models_c, opts_c, scaler_c = copy.deepcopy((models, opts, scaler))
+    many_models = isinstance(model, (list, tuple))
+    many_opts = isinstance(optimizer, (list, tuple))
+    models = list(model) if many_models else [model]
+    opts = list(optimizer) if many_opts else [optimizer]
+    models_c, opts_c, scaler_c = copy.deepcopy((models, opts, scaler))  # one deepcopy: shared tensors stay shared
     for m in models_c:
         m.zero_grad(set_to_none=True)  # gradients left over in your notebook are not the loop's doing
-    batches, rng, error, caught = list(batches), rng_states(), None, []
+    batches = list(batches)
+    rng = rng_states()  # restored at the end: diagnosing leaves your RNG where it was
+    error = None
+    caught = []
     check = accum_steps > 1 and loss_fn is not None and len(models) == 1 and len(opts) == 1
     rec = Recorder(models_c, opts_c, scaler_c, train, snapshots=check)
     enabled = scaler_c is not None and scaler_c.is_enabled()
@@ -253,18 +291,19 @@ def diagnose(
             )
     except Exception as e:  # the loop's own error is part of the diagnosis
         error = e
-    rec.warnings, rec.error = [str(w.message) for w in caught], error
+    rec.warnings = [str(w.message) for w in caught]
+    rec.error = error
     notes: list[str] = []
     found = {**_analyse(rec, enabled, accum_steps, notes), **found}
     if check and error is None:
         grads, note = _grad_check(rec, models[0], batches, loss_fn)
-        found, notes = {**grads, **found}, [note, *notes]
+        found = {**grads, **found}
+        notes = [note, *notes]
     restore_rng_states(rng)
-    scales = (
-        (scaler.get_scale(), scaler_c.get_scale())
-        if enabled
-        else "no GradScaler"
-        if scaler_c is None
-        else "GradScaler disabled"
-    )
+    if enabled:
+        scales = (scaler.get_scale(), scaler_c.get_scale())  # yours, untouched, and the copy's after the loop
+    elif scaler_c is None:
+        scales = "no GradScaler"
+    else:
+        scales = "GradScaler disabled"
     return Report(findings(found, error), summary(rec.events, len(batches), scales), rec.events, notes)

@@ -58,7 +58,8 @@ class Recorder:
         return all(p.grad is None or not p.grad.any() for p in self.params(i))
 
     def _is_scaled(self, t: torch.Tensor) -> bool:
-        ids, todo = {id(s) for s in self.scaled}, [t.grad_fn or t]
+        ids = {id(s) for s in self.scaled}  # the nodes of the losses scaler.scale() returned
+        todo = [t.grad_fn or t]
         for _ in range(300):  # the scaled node sits near the root: a short search suffices
             if not todo:
                 return False
@@ -70,12 +71,14 @@ class Recorder:
 
     def _set(self, owner: object, name: str, new: Callable) -> None:
         if isinstance(owner, type):  # a class (the schedulers' base): patched for every instance
-            had, old = name in vars(owner), vars(owner).get(name)
+            had = name in vars(owner)
+            old = vars(owner).get(name)
             setattr(owner, name, new)
             self._undo.append(lambda: setattr(owner, name, old) if had else delattr(owner, name))
             return
         space = owner if isinstance(owner, dict) else vars(owner)  # a module's or an object's own namespace
-        had, old = name in space, space.get(name)
+        had = name in space
+        old = space.get(name)
         space[name] = new
         self._undo.append(lambda: space.__setitem__(name, old) if had else space.pop(name))
 
@@ -195,7 +198,8 @@ class Recorder:
                 {"empty": i is not None and self.clean(i), "scale": self.scaler.get_scale()},
             )
         )
-        event, seen = self.events[-1], len(self.events)
+        event = self.events[-1]
+        seen = len(self.events)  # the events before the step's own calls
 
         def run(old: Callable):
             self.in_scaler_step = True
@@ -295,7 +299,8 @@ def _divided_by_scale(roots: list[torch.Tensor], pending: dict[int, tuple]) -> b
     # `seen` holds the visited nodes themselves, not only their id(): before torch 2.13 a node's Python
     # wrapper is freed once nothing holds it, and the next wrapper next_functions makes can reuse its
     # address, so an id-only set took unvisited nodes for seen and missed the penalty's edge.
-    todo, seen = [t.grad_fn for t in roots if t.grad_fn is not None], {}
+    todo = [t.grad_fn for t in roots if t.grad_fn is not None]
+    seen: dict[int, object] = {}
     while todo and len(seen) < 100_000:
         if id(node := todo.pop()) not in seen:
             seen[id(node)] = node
@@ -308,7 +313,8 @@ def _divided_by_scale(roots: list[torch.Tensor], pending: dict[int, tuple]) -> b
 
 def _times(node: object, factor: float) -> bool:
     """Is the autograd node a multiplication by the constant `factor`, or a division by 1 / factor?"""
-    name, other = type(node).__name__, getattr(node, "_saved_other", None)
+    name = type(node).__name__
+    other = getattr(node, "_saved_other", None)
     ok = name.startswith(("MulBackward", "DivBackward")) and all(n is None for n, _ in node.next_functions[1:])
     try:  # `other`: one number, a Python one or a tensor of one element
         return ok and abs((float(other) if name[0] == "M" else 1 / float(other)) / factor - 1) < 1e-3

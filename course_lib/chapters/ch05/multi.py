@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course_lib.reference import record
+from course_lib.tables import table
 from course_lib.timing import Timing, time_fn
 
 __all__ = [
@@ -341,15 +342,20 @@ def _gan_timing(images: torch.Tensor, mode: AmpMode, batch_size: int, iters: int
 
 def format_gan_reference(ref: dict) -> str:
     """Chapter 05: the recorded GPU results (GAN per mode: skipped steps, final scale, time per iteration)."""
-    out = [f"{'mode':<20}{'D skipped':>10}{'G skipped':>10}{'final scale':>13}{'ms / iteration (middle half)':>32}"]
-    for r in ref["rows"]:
+
+    def per_iteration(r: dict) -> str:
         t = Timing(r["times_ms"])
         lo, hi = t.quartiles_ms
-        out.append(
-            f"{r['mode']:<20}{r['d_skipped']:>10}{r['g_skipped']:>10}{r['final_scale']:>13g}"
-            f"{t.median_ms:>14.2f} ({lo:.2f}-{hi:.2f})"
-        )
-    return "\n".join(out)
+        return f"{t.median_ms:.2f} ({lo:.2f}-{hi:.2f})"
+
+    columns = [
+        ("mode", "mode", ""),
+        ("D skipped", "d_skipped", ""),
+        ("G skipped", "g_skipped", ""),
+        ("final scale", "final_scale", "g"),
+        ("ms / iteration (middle half)", per_iteration, ""),
+    ]
+    return table(ref["rows"], columns)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,7 +59,8 @@ def make_trainer(
     (CPU: width 16, batch 64; GPU: width 64, batch 512). `trainer.train_step(batch)` is one step."""
     dev = pick_device(device)
     gpu = dev.type == "cuda"
-    width, batch = width or (64 if gpu else 16), batch or (512 if gpu else 64)
+    width = width or (64 if gpu else 16)
+    batch = batch or (512 if gpu else 64)
     torch.manual_seed(0)
     x, y = _images()[0][:batch], _images()[1][:batch]
     model = SimpleCNN(in_channels=1, width=width)

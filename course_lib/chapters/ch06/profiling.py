@@ -46,6 +46,7 @@ from course_lib.chapters.ch06.measured_steps import (
 from course_lib.chapters.ch06.traces import DIAGNOSES, FIXES, diagnose_trace, format_summary, load_trace, trace_summary
 from course_lib.device import pick_device
 from course_lib.reference import record
+from course_lib.tables import table
 from course_lib.timing import Timing, compare, synchronize, time_fn
 
 __all__ = [
@@ -235,16 +236,12 @@ def format_key_averages(rows: list[dict], sort_by: str = "self_cpu_ms", limit: i
         "device_ms": "dev total",
     }
     keys = list(heads)[:3] + (list(heads)[3:] if any(r["device_ms"] for r in rows) else [])
-    total, w = sum(r[sort_by] for r in rows) or 1.0, width - 10 * len(keys) - 7
-    out = [
-        f"{'name':<{w}}" + "".join(f"{heads[k]:>10}" for k in keys) + f"{'share':>7}",
-        f"{'(ms per step)':>{w + 10 * len(keys)}}",
-    ]
-    for r in sorted(rows, key=lambda r: -r[sort_by])[:limit]:
-        name = r["name"] if len(r["name"]) < w else r["name"][: w - 2] + "…"
-        cells = "".join(f"{r[k]:>10.0f}" if k == "calls" else f"{r[k]:>10.3f}" for k in keys)
-        out.append(f"{name:<{w}}{cells}{r[sort_by] / total:>7.1%}")
-    return "\n".join(out)
+    total = sum(r[sort_by] for r in rows) or 1.0
+    room = width - 12 * len(keys) - 9  # what the name may take, so that no line is wider than `width`
+    columns = [("name", lambda r: r["name"] if len(r["name"]) < room else r["name"][: room - 2] + "…", "")]
+    columns += [(heads[k] + ("" if k == "calls" else " ms"), k, ".0f" if k == "calls" else ".3f") for k in keys]
+    columns.append(("share", lambda r: r[sort_by] / total, ".1%"))
+    return table(sorted(rows, key=lambda r: -r[sort_by])[:limit], columns)
 
 
 def format_profiling_reference(ref: dict, part: str) -> str:
@@ -262,32 +259,35 @@ def format_profiling_reference(ref: dict, part: str) -> str:
             for k, v in ref[part].items()
             if "diagnosis" in v
         ]
-    for size, rows in (
-        ref["sync"]
-        if part == "sync"
-        else {"": ref["timing"]}
-        if part == "timing"
-        else {"": {k: v["timing"] for k, v in ref["steps"].items()}}
-        if part == "steps"
-        else {}
-    ).items():
+    timings: dict[str, dict] = {}  # model size ("" for one model) -> {label: the timed ms}
+    if part == "sync":
+        timings = ref["sync"]
+    elif part == "timing":
+        timings = {"": ref["timing"]}
+    elif part == "steps":
+        timings = {"": {k: v["timing"] for k, v in ref["steps"].items()}}
+    for size, rows in timings.items():
         t = {k: Timing(v) for k, v in rows.items()}
         base = "fp32" if part == "steps" else list(t)[-1]
-        out += [f"{size} model, ms per step:"] * bool(size) + [format_timings(t), compare(t, base)]
+        if size:
+            out.append(f"{size} model, ms per step:")
+        out += [format_timings(t), compare(t, base)]
     if part == "timing":
         out.append(read_timing_ways({k: Timing(v) for k, v in ref["timing"].items()}))
         on_gpu = any(v["summary"].get("device") == "cuda" for v in ref.get("steps", {}).values())
-        out += [
-            textwrap.fill(
-                "(The recording times this after profiling the steps of sections 4 and 5 on the same GPU, in "
-                "the same process: CUDA, cuBLAS, cuDNN and the allocator's cache were already set up.)",
-                100,
+        if on_gpu:
+            out.append(
+                textwrap.fill(
+                    "(The recording times this after profiling the steps of sections 4 and 5 on the same GPU, in "
+                    "the same process: CUDA, cuBLAS, cuDNN and the allocator's cache were already set up.)",
+                    100,
+                )
             )
-        ] * on_gpu
     if part == "memory":
-        cols = ("start", "forward", "backward", "optimizer", "end")
-        out.append(f"{'MiB':<6}" + "".join(f"{k:>11}" for k in cols))
-        out += [f"{p:<6}" + "".join(f"{m[k]:>11.1f}" for k in cols) for p, m in ref.get("memory", {}).items()]
+        phases = [{"MiB": name, **mib} for name, mib in ref.get("memory", {}).items()]
+        columns = [("MiB", "MiB", "")]
+        columns += [(k, k, ".1f") for k in ("start", "forward", "backward", "optimizer", "end")]
+        out.append(table(phases, columns))
         if snap := ref.get("snapshot"):
             out.append(
                 f"snapshot: {snap['allocs']} allocations, peak {snap['peak_mib']:.1f} MiB above the start, "

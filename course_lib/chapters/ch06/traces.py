@@ -19,6 +19,8 @@ import os
 import re
 import statistics
 
+from course_lib.tables import table
+
 __all__ = [
     "DIAGNOSES",
     "FIXES",
@@ -205,16 +207,22 @@ def matmul_share(summary: dict) -> float:
 def format_summary(summaries: dict[str, dict], width: int = 100) -> str:
     """Chapter 06: one line per trace_summary: step time, shares of data and kernels, kernels per step
     and their mean length, and the heaviest top-level op with its share of the step."""
-    out = [f"{'step':<10}{'ms':>7}{'data':>6}{'busy':>6}{'kernels':>8}{'µs each':>9}  heaviest op (share of step)"]
+    rows = []
     for label, summ in summaries.items():
-        s = _stats(summ)
         top = max(summ["ops"], key=lambda r: max(r["cpu_ms"], r["device_ms"]))
-        out.append(
-            f"{label:<10}{summ['step_ms']:>7.1f}{s['data']:>6.0%}{s['busy']:>6.0%}{s['kernels']:>8.0f}"
-            f"{s['kernel_us']:>9.1f}  {_cut(top['name'], width - 55)} "
-            f"({max(top['cpu_ms'], top['device_ms']) / summ['step_ms']:.0%})"
-        )
-    return "\n".join(out)
+        share = max(top["cpu_ms"], top["device_ms"]) / summ["step_ms"]
+        heaviest = f"{_cut(top['name'], width - 55)} ({share:.0%})"
+        rows.append({"step": label, "ms": summ["step_ms"], **_stats(summ), "heaviest": heaviest})
+    columns = [
+        ("step", "step", ""),
+        ("ms", "ms", ".1f"),
+        ("data", "data", ".0%"),
+        ("busy", "busy", ".0%"),
+        ("kernels", "kernels", ".0f"),
+        ("µs each", "kernel_us", ".1f"),
+        ("heaviest op (share of step)", "heaviest", "<"),
+    ]
+    return table(rows, columns)
 
 
 def plot_timeline(trace: dict, title: str = ""):

@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
+from course_lib.tables import table
 from course_lib.timing import Timing
 
 __all__ = [
@@ -183,14 +184,19 @@ def sweep(
 
 def format_runs(runs: Sequence[LoaderRun]) -> str:
     """Chapter 07: one line per run (at most 100 characters): images/s, step time, wait fraction."""
-    out = [f"{'':<26}{'images/s':>9}{'step ms: median (middle half)':>32}{'waiting':>9}{'first batch':>13}"]
-    for r in runs:
+
+    def step(r: LoaderRun) -> str:
         lo, hi = r.step.quartiles_ms
-        out.append(
-            f"{r.label:<26}{r.images_per_s:>9,.0f}{r.step.median_ms:>14.1f} ({lo:>6.1f}-{hi:>6.1f} ms)"
-            f"{r.wait_fraction:>9.0%}{r.first_batch_ms:>10.0f} ms"
-        )
-    return "\n".join(out)
+        return f"{r.step.median_ms:.1f} ({lo:.1f}-{hi:.1f})"
+
+    columns = [
+        ("loader", "label", ""),
+        ("images/s", "images_per_s", ",.0f"),
+        ("step ms (middle half)", step, ""),
+        ("waiting", "wait_fraction", ".0%"),
+        ("first batch ms", "first_batch_ms", ".0f"),
+    ]
+    return table(runs, columns)
 
 
 def plot_sweep(

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from course_lib.chapters.ch07.data_wait import LoaderRun, cpus, format_runs, measure_loader, simulated_step, sweep
 from course_lib.data import FASHION_MEAN, FASHION_STD, DatasetBundle, load_dataset
 from course_lib.reference import record
+from course_lib.tables import table
 from course_lib.timing import time_fn
 
 __all__ = [
@@ -241,7 +242,9 @@ def copy_timings(device: str = "cuda", mib: int = 64, busy_ms: float = 20.0, ite
     pinned = pageable.pin_memory()
     a = torch.randn(4096, 4096, device=dev)
     one = time_fn(lambda: a @ a, warmup=2, iters=5, device=dev).median_ms
-    reps, side, rows = max(1, round(busy_ms / one)), torch.cuda.Stream(dev), []
+    reps = max(1, round(busy_ms / one))  # matmuls that keep the GPU busy for about busy_ms
+    side = torch.cuda.Stream(dev)
+    rows = []
     for name, src, pin_each in (
         ("pageable .to()", pageable, False),
         ("pinned, non_blocking", pinned, False),
@@ -252,7 +255,8 @@ def copy_timings(device: str = "cuda", mib: int = 64, busy_ms: float = 20.0, ite
             return (src.pin_memory() if pin_each else src).to(dev, non_blocking=True)
 
         t = time_fn(copy, warmup=2, iters=iters, device=dev)
-        held, both = [], []
+        held = []
+        both = []
         for stream in [None] * iters + [side] * iters:
             torch.cuda.synchronize(dev)
             t0 = time.perf_counter()
@@ -286,17 +290,17 @@ def copy_timings(device: str = "cuda", mib: int = 64, busy_ms: float = 20.0, ite
 
 def format_copy_rows(rows: Sequence[dict]) -> str:
     """Chapter 07: copy_timings as a table."""
-    out = [f"{'host memory':<24}{'copy ms (middle half)':>24}{'GB/s':>7}{'host held ms':>14}{'busy+copy ms':>14}"]
-    for r in rows:
-        out.append(
-            f"{r['copy']:<24}{r['copy_ms']:>9.2f} ({r['copy_lo']:.2f}-{r['copy_hi']:.2f}){r['gb_per_s']:>8.1f}"
-            f"{r['host_ms']:>14.2f}{r['both_ms']:>14.2f}"
-        )
-    return "\n".join(out) + (
-        f"\n(copies of {rows[0]['mib']} MiB; before each, {rows[0]['busy_ms']:.1f} ms of GPU work was queued)"
-        if rows
-        else ""
-    )
+    columns = [
+        ("host memory", "copy", ""),
+        ("copy ms (middle half)", lambda r: f"{r['copy_ms']:.2f} ({r['copy_lo']:.2f}-{r['copy_hi']:.2f})", ""),
+        ("GB/s", "gb_per_s", ".1f"),
+        ("host held ms", "host_ms", ".2f"),
+        ("busy+copy ms", "both_ms", ".2f"),
+    ]
+    text = table(rows, columns)
+    if rows:
+        text += f"\n(copies of {rows[0]['mib']} MiB; before each, {rows[0]['busy_ms']:.1f} ms of GPU work was queued)"
+    return text
 
 
 def format_loading_reference(ref: dict) -> str:

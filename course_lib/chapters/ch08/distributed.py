@@ -30,6 +30,7 @@ from torch.utils.data import DistributedSampler
 
 from course_lib.chapters.ch08.ddp_launch import DDPRun, launch
 from course_lib.models import MLP
+from course_lib.tables import table
 
 __all__ = [
     "max_rel_diff",
@@ -279,12 +280,14 @@ def format_timing_reference(ref: dict) -> str:
         )
     rows = ref.get("dp_vs_ddp") or []
     if rows:
-        out.append(f"{'mode':<14}{'GPUs':>5}{'median ms':>11}{'middle half':>17}{'images/s':>11}")
-        for r in rows:
-            out.append(
-                f"{r['mode']:<14}{r['gpus']:>5}{r['median_ms']:>11.2f}{r['q1_ms']:>9.2f}-{r['q3_ms']:<7.2f}"
-                f"{r['images_per_s']:>11,.0f}"
-            )
+        columns = [
+            ("mode", "mode", ""),
+            ("GPUs", "gpus", ""),
+            ("median ms", "median_ms", ".2f"),
+            ("middle half", lambda r: f"{r['q1_ms']:.2f}-{r['q3_ms']:.2f}", ""),
+            ("images/s", "images_per_s", ",.0f"),
+        ]
+        out.append(table(rows, columns))
     elif ref.get("nccl_runs"):
         out.append("DataParallel vs DDP: not measured (that machine had one GPU; it needs two or more)")
     return "\n".join(out)

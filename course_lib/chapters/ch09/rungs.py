@@ -24,6 +24,7 @@ from course_lib.data import load_dataset
 from course_lib.device import mixed_precision_for, pick_device
 from course_lib.loaders import make_loader
 from course_lib.models import SimpleCNN
+from course_lib.tables import table
 from course_lib.timing import Timing, compare, time_fn
 from course_lib.train import TrainConfig, Trainer
 
@@ -130,18 +131,21 @@ def course_ladder(
     """
     dev = pick_device(device)
     cuda = dev.type == "cuda"
-    batch, steps = batch or (256 if cuda else 32), steps or (30 if cuda else 5)
+    batch = batch or (256 if cuda else 32)
+    steps = steps or (30 if cuda else 5)
     amp = mixed_precision_for(dev)
     ds = load_dataset(train_size=None if cuda else 2048, verbose=False)
     rows = []
     for rung in COURSE_RUNGS:
-        label, compiled = rung.label.replace("AMP", f"AMP {amp}"), rung.compiled
+        label = rung.label.replace("AMP", f"AMP {amp}")
+        compiled = rung.compiled
         if compiled and not compiles_quickly(dev, compile_on_cpu):  # not measured; the last rung runs eager
             if rung.feed != "device":
                 where = "a CPU" if not cuda else f"{os.cpu_count()} CPU cores"
                 rows.append({"mode": label, "note": f"skipped: compiling takes minutes on {where} (see the GPU run)"})
                 continue
-            compiled, label = False, label + " (eager)"
+            compiled = False
+            label += " (eager)"
         torch.manual_seed(0)
         model = SimpleCNN(in_channels=1)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if rung.fused else {}))
@@ -189,34 +193,39 @@ def course_ladder(
 # --------------------------------------------------------------------------- tables
 
 
+def _rate(r: dict) -> str:
+    """The throughput column: images or tokens per second, whichever the rung measured."""
+    if "samples_per_s" in r:
+        return f"{r['samples_per_s']:.0f} img/s"
+    if "tokens_per_s" in r:
+        return f"{r['tokens_per_s']:.0f} tok/s"
+    return ""
+
+
+def _extra(r: dict) -> str:
+    """The last column: the one extra measurement the ladder took (MFU, peak memory, saved bytes, data wait)."""
+    if r.get("mfu") is not None:
+        return f"{r['mfu']:.0%} MFU"
+    if r.get("peak_memory_gib") is not None:
+        return f"{r['peak_memory_gib']:.2f} GiB"
+    if "saved_mib" in r:
+        return f"{r['saved_mib']:.1f} MiB"
+    if r.get("data_wait") is not None:
+        return f"{r['data_wait']:.0%} wait"
+    return ""
+
+
 def format_rows(rows: list[dict]) -> str:
     """Chapter 09: ladder rows as a table of at most 100 columns (MFU, memory or data wait where measured)."""
-    out = [f"{'rung':<32}{'ms/step':>9}{'middle half':>15}{'speed-up':>9}{'throughput':>13}{'mem/MFU/wait':>14}"]
-    for r in rows:
-        if "ms_per_step" not in r:
-            out.append(f"{r['mode']:<32}  skipped: {r['note']}")
-            continue
-        rate = (
-            f"{r['samples_per_s']:.0f} img/s"
-            if "samples_per_s" in r
-            else f"{r['tokens_per_s']:.0f} tok/s"
-            if "tokens_per_s" in r
-            else ""
-        )
-        extra = (
-            f"{r['mfu']:.0%} MFU"
-            if r.get("mfu") is not None
-            else f"{r['peak_memory_gib']:.2f} GiB"
-            if r.get("peak_memory_gib") is not None
-            else f"{r['saved_mib']:.1f} MiB"
-            if "saved_mib" in r
-            else f"{r['data_wait']:.0%} wait"
-            if r.get("data_wait") is not None
-            else ""
-        )
-        half = f"{r['ms_q1']:.1f}-{r['ms_q3']:.1f}"
-        out.append(f"{r['mode']:<32}{r['ms_per_step']:>9.1f}{half:>15}{r['speedup']:>8.2f}x{rate:>13}{extra:>14}")
-    return "\n".join(out)
+    columns = [
+        ("rung", "mode", ""),
+        ("ms/step", "ms_per_step", ".1f"),
+        ("middle half", lambda r: f"{r['ms_q1']:.1f}-{r['ms_q3']:.1f}", ""),
+        ("speed-up", lambda r: f"{r['speedup']:.2f}x", ""),
+        ("throughput", _rate, ""),
+        ("mem/MFU/wait", _extra, ""),
+    ]
+    return table(rows, columns, skipped=lambda r: None if "ms_per_step" in r else f"skipped: {r['note']}")
 
 
 def read_rungs(rows: list[dict]) -> str:

@@ -7,6 +7,8 @@ turns their rows into ratios measured in one run, each beside its target and a s
 
 from __future__ import annotations
 
+from course_lib.tables import table
+
 __all__ = ["TARGETS", "targets", "format_targets"]
 
 # What the course's own loop must reach on an H100/H200, as ratios measured in one run:
@@ -87,7 +89,9 @@ def targets(
     ]
 
     def meets(value: float | None, goal: float | None, sense: str) -> bool | None:
-        return None if value is None or goal is None else (value >= goal if sense == ">=" else value <= goal)
+        if value is None or goal is None:
+            return None  # nothing measured it, or no goal set
+        return value >= goal if sense == ">=" else value <= goal
 
     return [
         {
@@ -110,15 +114,22 @@ def format_targets(rows: list[dict]) -> str:
         return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.2f}"
 
     def word(met: bool | None) -> str:
-        return "n/a" if met is None else ("yes" if met else "NO")
+        if met is None:
+            return "n/a"
+        return "yes" if met else "NO"
 
-    out = [f"{'goal':<54}{'value':>9}{'target':>11}{'met':>5}{'stretch':>11}{'met':>5}"]
-    for r in rows:
-        value = "n/a" if r["value"] is None else num(r["value"])
-        has_stretch = r.get("stretch") is not None
-        stretch = r["sense"] + " " + num(r["stretch"]) if has_stretch else "-"
-        out.append(
-            f"{r['goal'][:53]:<54}{value:>9}{r['sense'] + ' ' + num(r['target']):>11}{word(r['met']):>5}"
-            f"{stretch:>11}{word(r.get('stretch_met')) if has_stretch else '-':>5}"
-        )
-    return "\n".join(out)
+    def stretch(r: dict) -> str:
+        return "-" if r.get("stretch") is None else f"{r['sense']} {num(r['stretch'])}"
+
+    def stretch_met(r: dict) -> str:
+        return "-" if r.get("stretch") is None else word(r.get("stretch_met"))
+
+    columns = [
+        ("goal", lambda r: r["goal"][:53], ""),
+        ("value", lambda r: None if r["value"] is None else num(r["value"]), ""),
+        ("target", lambda r: f"{r['sense']} {num(r['target'])}", ""),
+        ("met", lambda r: word(r["met"]), ""),
+        ("stretch", stretch, ""),
+        ("met", stretch_met, ""),
+    ]
+    return table(rows, columns)

@@ -120,7 +120,7 @@ class MedianStepMs(Check):
         sleep(seconds[min(len(slept), len(seconds) - 1)])
         reply = perf_counter()
         slept.append(1000 * (reply - arrival))
-        timed.record(case, "fn", arrival, reply)
+        timed.record_ask(case, "fn", arrival, reply)
 
     def describe(self, case: dict) -> str:
         return f"median_step_ms(fn, warmup={case['warmup']}, iters={case['iters']})"

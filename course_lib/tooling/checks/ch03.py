@@ -239,7 +239,7 @@ class ClippedStep(Check):
                 if i in bad:
                     x[rng.randrange(BATCH), rng.randrange(IN)] = 1e6
                 xs.append(x.tolist())
-            shapes = [(HIDDEN, IN), (HIDDEN,), (OUT, HIDDEN), (OUT,)]  # the parameters of probes.ch03.build_model
+            shapes = [(HIDDEN, IN), (HIDDEN,), (OUT, HIDDEN), (OUT,)]  # the parameters of probes.ch03.case_model
             weights = [(torch.randn(shape, generator=g) * 0.5).tolist() for shape in shapes]
             cases.append(
                 {

@@ -17,6 +17,7 @@ import random
 
 import torch
 
+from ...chapters.ch04.accumulation import accumulated_grad
 from ..grading import Check, CheckFailure, expect_dict, expect_list, expect_number, expect_numbers, register
 from ..probes.ch04 import DTYPES, LOSSES, build, junk, run_loop
 
@@ -46,7 +47,8 @@ KEYS = (
 
 
 def _grad(case: dict, weights: list[float] | None = None, large: bool = False, double: bool = False) -> torch.Tensor:
-    """The summed gradient of weight_i * loss_i over the case's micro-batches (or of the large batch)."""
+    """The summed gradient of weight_i * loss_i over the case's micro-batches (or of the large batch):
+    chapter 04's accumulated_grad on the case's model, batches, loss, precision and scale."""
     model, micro = build(case)
     if double:
         model, micro = model.double(), [(x.double(), y.double() if y.is_floating_point() else y) for x, y in micro]
@@ -54,11 +56,9 @@ def _grad(case: dict, weights: list[float] | None = None, large: bool = False, d
         micro, weights = [(torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro]))], [1.0]
     dtype = None if double else DTYPES[case["precision"]]
     scaler = torch.amp.GradScaler("cpu", init_scale=case["init_scale"], enabled=dtype == torch.float16)
-    for (x, y), w in zip(micro, weights, strict=True):
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-            loss = LOSSES[case["loss"]](model(x), y) * w
-        scaler.scale(loss).backward()
-    return torch.cat([p.grad.flatten().double() for p in model.parameters()]) / scaler.get_scale()
+    if weights is None or len(weights) != len(micro):
+        raise ValueError(f"one weight per micro-batch: {len(micro)} micro-batches, weights {weights}")
+    return accumulated_grad(model, micro, weights, loss_fn=LOSSES[case["loss"]], dtype=dtype, scaler=scaler)
 
 
 def reference_accumulate(model, optimizer, scaler, micro_batches, loss_fn, dtype) -> None:

@@ -184,7 +184,7 @@ class TimeIt(Check):
     def host(self, case: dict, request: object) -> None:
         """fn() queues one call's work on the fake device; sync() returns once everything queued has run.
 
-        Kept here, not in the kernel (`_device`), with when each ask arrived and was answered (timed.record)."""
+        Kept here, not in the kernel (`_device`), with when each ask arrived and was answered (timed.record_ask)."""
         d = _device(case)
         arrival = perf_counter()
         if request == {"call": "fn"}:
@@ -195,7 +195,7 @@ class TimeIt(Check):
             d["ran_ms"].append(None)
             d["dev_ms"].append(None)
             d["log"] += "f"
-            timed.record(case, "fn", arrival, perf_counter())
+            timed.record_ask(case, "fn", arrival, perf_counter())
             return
         if request != {"call": "sync"}:
             raise CheckFailure(f"{self.name} answers only fn's and sync's calls, not {request!r}")
@@ -209,7 +209,7 @@ class TimeIt(Check):
             if d["ran_ms"][k] is None:
                 d["ran_ms"][k] = 1000 * (done - queued)
                 d["dev_ms"][k] = 1000 * (d["ends"][k] + late - queued)
-        timed.record(case, "sync", arrival, perf_counter())
+        timed.record_ask(case, "sync", arrival, perf_counter())
 
     def describe(self, case: dict) -> str:
         return f"time_it(fn, sync, warmup={case['warmup']}, iters={case['iters']})"

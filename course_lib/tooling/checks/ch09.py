@@ -22,6 +22,7 @@ import sys
 import threading
 from typing import Callable
 
+from ...chapters.ch03.underflow import FP16_MAX  # fp16's largest finite value, as chapter 03 teaches it
 from ...chapters.ch09 import speedup
 from ..grading import Check, CheckFailure, expect_list, register
 from .ch07 import in_fresh_process_reporting, machine, reporting, say  # shared with the other measuring check
@@ -32,7 +33,6 @@ THRESHOLD = 5.0  # the learner's settings must train at least this many times fa
 ACCURACY_DROP = 0.02  # and reach the slow script's test accuracy, at most this much lower
 REPEATS = 3  # each script runs this many times, alternately; the best time of each counts
 MEASURE_LIMIT = 240.0  # seconds for one submission's measurements, torch's import included
-FP16_MAX = 65504.0
 # Judges of several submissions run in threads of one grader: one measurement at a time.
 _MEASURING = threading.Lock()
 

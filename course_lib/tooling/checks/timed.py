@@ -7,7 +7,7 @@ the ask) and the way back (from the reply to reading the clock again). Under loa
 machine runs the kernel late, a busy grader thread answers late, and the grader's sleeps wake late.
 
 Nothing the kernel says is trusted (it may rewrite its probe too), so the round trip is bounded from
-the grader's side: `host` records when each ask arrived and when it was answered (`record`). A
+the grader's side: `host` records when each ask arrived and when it was answered (`record_ask`). A
 correct timer's clock starts after the reply to the ask before the call left the grader, and stops
 before the ask after the call arrives. So what it measured of a call lies between
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-__all__ = ["TRANSIT_MS", "record", "window_ms", "credited", "bounds", "likely", "nearest_mistake"]
+__all__ = ["TRANSIT_MS", "record_ask", "window_ms", "credited", "bounds", "likely", "nearest_mistake"]
 
 # The most round-trip time (way out + way back) credited to one timed call. Measured between the
 # asks of a 2-core grader grading two notebooks at once with both cores kept busy: 0.5 ms typically,
@@ -37,7 +37,7 @@ TRANSIT_MS = 50.0
 REL, ABS_MS = 0.03, 0.5  # slack around the bounds: rounding, and how a learner's clock is read
 
 
-def record(case: dict, kind: str, arrival: float, reply: float) -> None:
+def record_ask(case: dict, kind: str, arrival: float, reply: float) -> None:
     """`host`: one ask of `kind` arrived at perf_counter() `arrival` and was answered at `reply`."""
     case.setdefault("_asks", []).append([kind, arrival, reply])
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["update_scale", "clipped_step", "train_steps", "build_model", "IN", "HIDDEN", "OUT", "BATCH"]
+__all__ = ["update_scale", "clipped_step", "train_steps", "case_model", "IN", "HIDDEN", "OUT", "BATCH"]
 
 _KERNELS = ("_amp_update_scale_", "_amp_foreach_non_finite_check_and_unscale_")
 
@@ -61,7 +61,7 @@ def update_scale(case: dict, learner: Callable) -> object:
 IN, HIDDEN, OUT, BATCH = 6, 12, 4, 16
 
 
-def build_model(case: dict) -> nn.Module:
+def case_model(case: dict) -> nn.Module:
     """The case's network with its drawn weights (a meta model draws nothing from the global RNG, which
     the grader's judging threads share)."""
     meta = nn.Sequential(nn.Linear(IN, HIDDEN, device="meta"), nn.ReLU(), nn.Linear(HIDDEN, OUT, device="meta"))
@@ -75,7 +75,7 @@ def build_model(case: dict) -> nn.Module:
 def train_steps(case: dict, step_fn: Callable) -> list[dict[str, Any]]:
     """Train a fresh copy of the case's model with `step_fn` doing everything after the forward; after
     each step record the returned norm, the scale, the parameters and the .grad tensors."""
-    model = build_model(case)
+    model = case_model(case)
     optimizer = torch.optim.SGD(model.parameters(), lr=case["lr"], momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=case["init_scale"], growth_interval=case["growth_interval"])
     out = []

@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from ...chapters.ch05.doctor_recorder import Recorder
 
-__all__ = ["fix_two_models", "record", "build", "flat", "KINDS"]
+__all__ = ["fix_two_models", "record_loop", "build", "flat", "KINDS"]
 
 KINDS = ("backward", "zero_grad", "unscale_", "clip", "scaler.step", "step", "update")
 
@@ -83,7 +83,7 @@ def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
-def record(case: dict, loop: Callable, dtype: torch.dtype) -> dict[str, Any]:
+def record_loop(case: dict, loop: Callable, dtype: torch.dtype) -> dict[str, Any]:
     """Run `loop` on the case with its calls recorded (this patches torch while it runs: kernel side only)."""
     model0, model1, opt0, opt1, scaler, batches = build(case, _UnscaleAutocast)
     with Recorder((model0, model1), (opt0, opt1), scaler, loop) as rec:
@@ -105,4 +105,4 @@ def record(case: dict, loop: Callable, dtype: torch.dtype) -> dict[str, Any]:
 
 def fix_two_models(case: dict, learner: Callable) -> dict[str, Any]:
     """Task 05.fix_two_models: the learner's train_two_models on one case."""
-    return record(case, learner, getattr(torch, case["dtype"]))
+    return record_loop(case, learner, getattr(torch, case["dtype"]))
