@@ -169,7 +169,9 @@ class Trainer:
         self.amp_dtype = AMP_DTYPES[self.precision]
         fmt = torch.channels_last if self.cfg.channels_last else torch.preserve_format
         self.model = model.to(self.device, memory_format=fmt)
-        self.optimizer, self.scheduler, self.loss_fn = optimizer, scheduler, loss_fn
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.loss_fn = loss_fn
         # Only fp16 needs loss scaling: bf16 has fp32's exponent range (chapter 01).
         self.scaler = torch.amp.GradScaler(
             self.device.type,
@@ -297,7 +299,8 @@ class Trainer:
                 self.history.eval.append(self.evaluate(eval_loader))
             if len(loader) - self.batch_in_epoch >= accum:
                 break  # step budget reached mid-epoch: stay at this micro-batch, resumable
-            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+            self.epoch += 1
+            self.batch_in_epoch = 0
         self._flush()
         bar.close()
         self.history.seconds += time.perf_counter() - t0
@@ -333,7 +336,9 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])  # an fp32/bf16 checkpoint leaves a fresh scaler
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        self.step_count, self.epoch, self.batch_in_epoch = state["step_count"], state["epoch"], state["batch_in_epoch"]
+        self.step_count = state["step_count"]
+        self.epoch = state["epoch"]
+        self.batch_in_epoch = state["batch_in_epoch"]  # resume at this micro-batch of the epoch
         self._pending.clear()
         self._history = History(**state["history"])
         torch.set_rng_state(state["rng"]["cpu"])

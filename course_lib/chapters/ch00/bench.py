@@ -108,11 +108,12 @@ def compare_runs(seconds: dict[str, float], device: torch.device | str | None = 
         )
     elif dev.type == "cuda":
         cc = cuda_capability(dev)
-        tc = (
-            "has bf16 Tensor Cores"
-            if has_native_bf16(dev)
-            else ("has fp16 Tensor Cores" if cc >= (7, 0) else "has no Tensor Cores")
-        )
+        if has_native_bf16(dev):
+            tc = "has bf16 Tensor Cores"
+        elif cc >= (7, 0):
+            tc = "has fp16 Tensor Cores"
+        else:
+            tc = "has no Tensor Cores"
         lines.append(
             f"This GPU (sm_{cc[0]}{cc[1]}) {tc}; a CNN this small on 28-pixel images gives a GPU "
             "little work: the ResNet-50 table below shows more."

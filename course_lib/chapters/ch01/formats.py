@@ -300,7 +300,11 @@ def decompose(x: float, fmt: str | torch.dtype | Format) -> Decomposed:
 def _decomposed(f: Format, x: float, pattern: int, value: float) -> Decomposed:
     sign, e_field, mantissa = split_bits(pattern, f)
     kind = _kind(f, e_field, mantissa)
-    exponent = None if kind in ("inf", "nan") else (e_field - f.bias if kind == "normal" else 1 - f.bias)
+    exponent = None  # inf and NaN have none
+    if kind == "normal":
+        exponent = e_field - f.bias
+    elif kind in ("zero", "subnormal"):
+        exponent = 1 - f.bias  # subnormals (and zero) use the smallest normal exponent
     if math.isnan(value) or math.isnan(x):
         error = math.nan
     elif math.isinf(value) or math.isinf(x):

@@ -314,7 +314,8 @@ def after_step_in_region(
     difference from the output the updated weights really give (`error`, computed in a
     fresh region with the cache off). A stale cast cache shows as moved = 0, error > 0.
     """
-    model, dev = copy.deepcopy(model), x.device.type
+    model = copy.deepcopy(model)  # yours stays as it was
+    dev = x.device.type
     dtype = dtype or torch.get_autocast_dtype(dev)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     outer, inner = _layout(layout, dev, dtype)
@@ -346,7 +347,8 @@ def losses_by_layout(
 
     In "one region" every forward after the first reuses the first step's cast weights.
     """
-    model, dev = copy.deepcopy(model), x.device.type
+    model = copy.deepcopy(model)  # yours stays as it was
+    dev = x.device.type
     dtype = dtype or torch.get_autocast_dtype(dev)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     outer, inner = _layout(layout, dev, dtype)

@@ -278,7 +278,9 @@ class PolicyRow:
 
     @property
     def n_inputs(self) -> int:
-        return len(OPS[self.op].shapes) if self.op in OPS else (2 if self.from_mixed is not None else 1)
+        if self.op in OPS:
+            return len(OPS[self.op].shapes)
+        return 2 if self.from_mixed is not None else 1  # a row read back from a file: mixed inputs need two
 
 
 def _classify(spec: OpSpec, device: str, dtype: torch.dtype, fake: bool) -> PolicyRow:
@@ -309,11 +311,11 @@ def _classify(spec: OpSpec, device: str, dtype: torch.dtype, fake: bool) -> Poli
         up = (short(dtype), "fp32")
         if amix.error is None and (pmix.error is not None or amix.casts[up] > pmix.casts[up]):
             return PolicyRow(**row, policy="promote", note="autocast casts low input up")
-        note = (
-            ("mixed inputs raise " + amix.error)
-            if amix.error
-            else ("mixed: ordinary promotion" if amix.out_dtype == torch.float32 else "")
-        )
+        note = ""
+        if amix.error:
+            note = "mixed inputs raise " + amix.error
+        elif amix.out_dtype == torch.float32:
+            note = "mixed: ordinary promotion"
         return PolicyRow(**row, policy="unchanged", note=note)
     return PolicyRow(**row, policy="unchanged")
 

@@ -78,10 +78,17 @@ class SimulatorSettings:
         )
 
 
+def _mark(skipped: bool, event: str) -> str:
+    """One step of the timeline: x skipped, + the scale grew, . a plain step."""
+    if skipped:
+        return "x"
+    return "+" if event == "growth" else "."
+
+
 def simulator_text(st: SimulatorSettings, per_row: int = 50) -> str:
     """The simulator's static view as text: settings, summary, and a timeline of the steps."""
     t = st.run()
-    marks = ["x" if k else "+" if e == "growth" else "." for k, e in zip(t.skipped, t.event)]
+    marks = [_mark(skipped, event) for skipped, event in zip(t.skipped, t.event)]
     out = [
         f"GradScaler(init_scale={st.init_scale:g}, growth_factor={st.growth_factor:g}, "
         f"backoff_factor={st.backoff_factor:g}, growth_interval={st.growth_interval})",
@@ -97,7 +104,9 @@ def _svg_chart(t: Trajectory, width: int = 640, height: int = 250) -> str:
     """The scale each step used on a log2 axis, skipped steps as red crosses: inline SVG, deterministic."""
     logs = [math.log2(s) if s > 0 else -150.0 for s in t.scale]
     lo, hi = math.floor(min(logs)) - 1, math.ceil(max(logs)) + 1
-    left, right, top, bottom, n = 58, width - 10, 30, height - 38, len(logs)
+    left, right = 58, width - 10  # the plot area inside the picture, in pixels
+    top, bottom = 30, height - 38
+    n = len(logs)
 
     def px(i: float) -> float:
         return left + (right - left) * i / max(1, n)
@@ -168,7 +177,8 @@ class ScaleSimulator:
         if self._box is None:
             import ipywidgets as W
 
-            st, wide = self.settings, {"style": {"description_width": "120px"}, "layout": W.Layout(width="420px")}
+            st = self.settings
+            wide = {"style": {"description_width": "120px"}, "layout": W.Layout(width="420px")}
             self._controls = {
                 "init_scale": W.FloatLogSlider(
                     st.init_scale, base=2, min=-20, max=40, step=1, description="init_scale", **wide

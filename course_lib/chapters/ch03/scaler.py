@@ -96,7 +96,8 @@ class DynamicLossScaler:
 
     def unscale_(self, grads: Iterable[torch.Tensor]) -> bool:
         """Chapter 03: multiply float32 gradients by inv_scale() in place; True if any was inf or NaN *before*."""
-        inv, found_inf = self.inv_scale(), False
+        inv = self.inv_scale()
+        found_inf = False
         with torch.no_grad():
             for g in grads:
                 found_inf |= not bool(torch.isfinite(g).all())

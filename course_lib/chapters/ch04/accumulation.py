@@ -349,7 +349,8 @@ def read_memory_rows(rows: Sequence[dict]) -> str:
     """Chapter 04: memory_rows in words, computed from the numbers. Per precision, from one micro-batch to the most: how
     much the peaks fell and the step slowed, and the time per micro-batch; then the mixed precision's step time
     against fp32's at each split, with the spread of the timed steps."""
-    out, by = [], {p: [r for r in rows if r["precision"] == p] for p in dict.fromkeys(r["precision"] for r in rows)}
+    out = []
+    by = {p: [r for r in rows if r["precision"] == p] for p in dict.fromkeys(r["precision"] for r in rows)}
     for p, mine in by.items():
         a, b = mine[0], mine[-1]
         saved = a["peak_saved"] / b["peak_saved"]

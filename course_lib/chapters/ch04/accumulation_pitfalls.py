@@ -92,7 +92,8 @@ def scale_trajectory(
         with torch.autocast("cpu", dtype=torch.float16):
             loss = F.cross_entropy(model(xb), yb) / accum
         scaler.scale(loss).backward()
-        boundary, taken = i % accum == accum - 1, len(opt.grads)
+        boundary = i % accum == accum - 1  # the last micro-batch of an optimizer step
+        taken = len(opt.grads)
         if variant == LOOP_VARIANTS[1]:  # clip every micro-batch; update() silences unscale_'s error
             scaler.unscale_(opt)
             nn.utils.clip_grad_norm_(model.parameters(), 1e9)

@@ -35,15 +35,23 @@ class Recorder:
         fn: Callable | None = None,
         snapshots: bool = False,
     ):
-        self.models, self.opts, self.scaler, self.fn = list(models), list(optimizers), scaler, fn
-        self.snapshots, self.in_scaler_step = snapshots, False
+        self.models = list(models)
+        self.opts = list(optimizers)
+        self.scaler = scaler
+        self.fn = fn  # the training loop under diagnosis
+        self.snapshots = snapshots  # keep each step's parameters and gradients (for the gradient check)
+        self.in_scaler_step = False
         self.device_type = next((p.device.type for m in self.models for p in m.parameters()), "cpu")
         # every call seen; grad_fn (or tensor) of each scaler.scale() output; (input, RNG state) of each forward;
         # grad_fn id -> (grad_fn, scale) of each scaled gradient autograd.grad returned, until the next backward
-        self.events, self.scaled, self.forwards, self.pending = [], [], [], {}
+        self.events: list = []  # every call the loop made, in order
+        self.scaled: list = []  # the losses scaler.scale() returned
+        self.forwards: list = []  # each forward's input and RNG state
+        self.pending: dict = {}  # autograd.grad's scaled gradients not yet seen divided by the scale
         self.window_start = [0] * len(self.opts)  # forwards seen when each optimizer's current window began
         self._undo: list[Callable[[], None]] = []
-        self.warnings, self.error = [], None  # what the loop warned and raised (diagnose fills them in)
+        self.warnings: list[str] = []  # what the loop warned (diagnose fills it in)
+        self.error: BaseException | None = None  # and what it raised
 
     def autocast_on(self) -> bool:
         return torch.is_autocast_enabled(self.device_type)
@@ -225,7 +233,8 @@ class Recorder:
             "finite": all(bool(torch.isfinite(t.detach()).all()) for t in roots),
         }
         if self.pending:  # after a gradient penalty's autograd.grad: were its scaled gradients unscaled by hand?
-            info["penalty_unscaled"], self.pending = _divided_by_scale(roots, self.pending), {}
+            info["penalty_unscaled"] = _divided_by_scale(roots, self.pending)
+            self.pending = {}
         self.events.append(Event("backward", None, self.autocast_on(), info))
 
     def _on_grad(self, *args, **kwargs) -> Callable:

@@ -82,7 +82,8 @@ def cpu_fp16_scaler_works() -> bool:
     """Does this torch run fp16 autocast on the CPU, with torch.amp.GradScaler("cpu")? (Tried, not assumed.)"""
     try:
         layer = nn.Linear(4, 4)
-        opt, scaler = torch.optim.SGD(layer.parameters(), lr=0.1), torch.amp.GradScaler("cpu")
+        opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
         with torch.autocast("cpu", dtype=torch.float16):
             out = layer(torch.ones(2, 4))
         scaler.scale(out.float().sum()).backward()

@@ -99,7 +99,8 @@ def bottleneck_steps(device: str = "auto") -> dict[str, Callable[[], object]]:
         )
 
     torch.manual_seed(0)
-    small, tiny = trainer(MLP(hidden=256, depth=1)), trainer(MLP(hidden=32, depth=16), foreach=False)
+    small = trainer(MLP(hidden=256, depth=1))
+    tiny = trainer(MLP(hidden=32, depth=16), foreach=False)  # many tiny kernels: launch-bound
     heavy, heavy_batch = make_trainer("fp32", str(dev), width=256 if gpu else 32, batch=1024 if gpu else 64)
     loader = torch.utils.data.DataLoader(_SlowImages(*_images()), batch_size=64)
     stream = (b for _ in iter(int, 1) for b in loader)  # endless
@@ -206,7 +207,9 @@ def cuda_phase_memory(trainer: Trainer, batch: list[tuple[torch.Tensor, torch.Te
     training step done as Trainer.train_step does it, after two warm steps (Adam's state exists)."""
     for _ in range(2):
         trainer.train_step(batch)
-    (x, y), mib, out = batch[0], 2.0**20, {}
+    x, y = batch[0]
+    mib = 2.0**20
+    out = {}  # phase -> MiB allocated at its end
     torch.cuda.synchronize()
     out["start"] = torch.cuda.memory_allocated() / mib
     torch.cuda.reset_peak_memory_stats()
@@ -274,7 +277,10 @@ def summarise_snapshot(snap: dict) -> dict:
     """Chapter 06: a CUDA memory snapshot (torch.cuda.memory._snapshot() or its pickle) in numbers:
     allocations, the peak allocated since recording began, the memory reserved, and the five largest
     allocations with where they were made (`allocation_site`)."""
-    trace, cur, peak, mib = [e for dev in snap["device_traces"] for e in dev], 0, 0, 2.0**20
+    trace = [e for dev in snap["device_traces"] for e in dev]
+    cur = 0  # bytes allocated since recording began, replayed event by event
+    peak = 0
+    mib = 2.0**20
     for e in trace:  # replay the allocator's history: bytes allocated since recording began
         cur += {"alloc": e["size"], "free_completed": -e["size"]}.get(e["action"], 0)
         peak = max(peak, cur)

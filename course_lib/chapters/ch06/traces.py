@@ -141,7 +141,8 @@ def trace_summary(trace: dict) -> dict:
     'float' is fp32, 'c10::BFloat16' bf16, 'c10::Half' fp16).
     """
     p = _parse(trace)
-    n, rows = len(p["steps"]), {}
+    n = len(p["steps"])
+    rows = {}
 
     def row(name: str) -> dict:
         per_step = {f: [0.0] * n for f in ("calls", "cpu_ms", "device_ms", "kernels")}
@@ -240,7 +241,11 @@ def plot_timeline(trace: dict, title: str = ""):
         squeeze=False,
         gridspec_kw={"height_ratios": [1.3, 1] if mem else [1]},
     )
-    ax, ms = axes[0][0], lambda ts: (ts - p["t0"]) / 1e3
+    ax = axes[0][0]
+
+    def ms(ts: float) -> float:  # a trace timestamp (µs) as ms since the step began
+        return (ts - p["t0"]) / 1e3
+
     lanes = {
         "CPU: ops your code called": [(ms(e["ts"]), e["dur"] / 1e3, e["_phase"]) for e in p["tops"]],
         "GPU: kernels" if p["gpu"] else "CPU: ops doing the work": [

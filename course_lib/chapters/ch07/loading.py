@@ -110,7 +110,10 @@ class SlowStorage(Dataset):
     """
 
     def __init__(self, dataset: Dataset, ms: float, slow_every: int = 0, slow_factor: float = 10.0):
-        self.dataset, self.ms, self.slow_every, self.slow_factor = dataset, ms, slow_every, slow_factor
+        self.dataset = dataset
+        self.ms = ms  # how long reading one sample takes
+        self.slow_every = slow_every  # every slow_every-th sample is slow_factor times slower (0: never)
+        self.slow_factor = slow_factor
 
     def __len__(self) -> int:
         return len(self.dataset)

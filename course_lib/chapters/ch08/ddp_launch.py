@@ -119,13 +119,12 @@ class DDPRun:
                     continue
                 print(f"--- rank {rank} {stream} ({len(lines)} lines) ---")
                 cut = len(lines) > max_lines
-                shown = (
-                    lines
-                    if not cut
-                    else ["[...]"] + lines[-max_lines:]
-                    if tail
-                    else lines[: max_lines // 2] + ["[...]"] + lines[-max_lines // 2 :]
-                )
+                if not cut:
+                    shown = lines
+                elif tail:
+                    shown = ["[...]"] + lines[-max_lines:]
+                else:  # the start and the end
+                    shown = lines[: max_lines // 2] + ["[...]"] + lines[-max_lines // 2 :]
                 for line in shown:
                     print(line if len(line) <= WIDTH else line[: WIDTH - 1] + "…")
 
@@ -266,7 +265,10 @@ def _first_failure(run: DDPRun) -> str:
 def _exit_line(run: DDPRun, rank: int, code: int, first: int) -> str:
     """'rank 0 finished its work but crashed while exiting: exit code -6 (signal 6, SIGABRT), ...'"""
     name = signal.Signals(-code).name if -code in signal.valid_signals() else "?"
-    how, log = f"code {code}" + f" (signal {-code}, {name})" * (code < 0), run.logs.get(rank, {})
+    how = f"code {code}"
+    if code < 0:
+        how += f" (signal {-code}, {name})"
+    log = run.logs.get(rank, {})
     if code == -signal.SIGTERM and rank != first:  # torchrun stops the others when one rank fails
         return f"rank {rank} was then stopped by torchrun (exit {how})"
     if "] done" not in log.get("stdout", ""):
@@ -360,17 +362,15 @@ def launch(
         finally:
             _reap(token)  # normally nothing is left; this makes sure of it
     run.seconds = time.monotonic() - t0
-    run.logs, run.launcher_log = _read_logs(out / "logs"), (out / "torchrun.log").read_text(errors="replace")
-    say(
-        f"{run.seconds:5.1f} s  "
-        + (
-            "every rank finished"
-            if run.returncode == 0
-            else f"torchrun exited with code {run.returncode}"
-            if run.returncode is not None
-            else f"no result after {timeout:g} s: every process stopped"
-        )
-    )
+    run.logs = _read_logs(out / "logs")
+    run.launcher_log = (out / "torchrun.log").read_text(errors="replace")
+    if run.returncode == 0:
+        ending = "every rank finished"
+    elif run.returncode is not None:
+        ending = f"torchrun exited with code {run.returncode}"
+    else:
+        ending = f"no result after {timeout:g} s: every process stopped"
+    say(f"{run.seconds:5.1f} s  " + ending)
     if run.returncode is None:
         last = {
             r: (run.logs.get(r, {}).get("stdout", "").strip().splitlines() or ["(nothing)"])[-1][:80]

@@ -168,19 +168,25 @@ class Instruments(Hooks):
     """Chapter 08's instruments: they watch `train` from its hooks and leave their findings in OUT."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.args, self.rank = args, int(os.environ["RANK"])
+        self.args = args
+        self.rank = int(os.environ["RANK"])
         self.pending: list[StepResult] = []  # steps not yet read back from the device
         self.losses: list[float] = []  # per optimizer step, the mean over the ranks
         self.scales: list[float] = []  # this rank's loss scale after each step (1.0 without a scaler)
-        self.skipped = self.steps = self.allreduces = self.forwards = 0
-        self.seconds, self.precision = 0.0, "fp32"
+        self.skipped = 0  # optimizer steps GradScaler skipped
+        self.steps = 0
+        self.allreduces = 0  # DDP's bucket all-reduces, counted by the comm hook
+        self.forwards = 0
+        self.seconds = 0.0  # training time, timed around train's loop
+        self.precision = "fp32"  # what the first forward ran in
 
     def say(self, msg: str, everyone: bool = False) -> None:
         if everyone or self.rank == 0:  # rank-0 logging: one voice, not world_size copies
             print(f"[rank {self.rank}] {msg}", flush=True)
 
     def built(self, model: nn.Module) -> None:
-        self.world, self.device = dist.get_world_size(), next(model.parameters()).device
+        self.world = dist.get_world_size()
+        self.device = next(model.parameters()).device
         self.say(
             f"rank {self.rank} of {self.world}, local rank {os.environ['LOCAL_RANK']}, pid {os.getpid()}, "
             f"{dist.get_backend()} on {self.device}, store {os.environ.get('MASTER_ADDR')}:"
@@ -190,7 +196,8 @@ class Instruments(Hooks):
         self.before = _gather(_checksum(model))  # different seeds: different parameters
 
     def started(self, ddp: DDP, loader: DataLoader, scaler: torch.amp.GradScaler) -> None:
-        args, out, model = self.args, self.args.out, ddp.module
+        out = self.args.out
+        model = ddp.module  # the model DDP wraps: its parameters are this rank's copy
         self.after = _gather(_checksum(model))  # DDP() broadcast rank 0's
         self.say(f"parameter checksums before DDP() {self.before}, after {self.after}")
         self.say(f"data: {len(loader.dataset):,} Fashion-MNIST images, {len(loader.sampler):,} per rank per epoch")
@@ -206,8 +213,10 @@ class Instruments(Hooks):
         ddp.zero_grad(set_to_none=True)
         ddp.register_comm_hook(None, self._allreduce)  # from here on: training's all-reduces
         model.register_forward_pre_hook(self._forward)  # and training's forwards
-        self.scaler, self.per_epoch = scaler.is_enabled(), len(loader) // args.accum
-        self.total, self.t0 = args.epochs * self.per_epoch, time.perf_counter()
+        self.scaler = scaler.is_enabled()
+        self.per_epoch = len(loader) // self.args.accum  # optimizer steps per epoch
+        self.total = self.args.epochs * self.per_epoch
+        self.t0 = time.perf_counter()
 
     def _allreduce(self, state, bucket):
         """DDP's default all-reduce, counted: DDP calls this once per bucket per synchronised backward."""
@@ -218,9 +227,11 @@ class Instruments(Hooks):
 
     def _forward(self, module: nn.Module, inputs: tuple) -> None:
         """Before each micro-batch's forward: the autocast it runs in, and the failures the tests inject."""
-        self.forwards, args = self.forwards + 1, self.args
+        self.forwards += 1
+        args = self.args
         if self.forwards == 1:
-            on, kind = torch.is_autocast_enabled(self.device.type), torch.get_autocast_dtype(self.device.type)
+            on = torch.is_autocast_enabled(self.device.type)
+            kind = torch.get_autocast_dtype(self.device.type)
             self.precision = next((k for k, v in AMP_DTYPES.items() if v == kind), str(kind)) if on else "fp32"
             how = f"{self.precision} autocast" if on else "fp32 (autocast off)"
             self.say(

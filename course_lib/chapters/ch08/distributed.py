@@ -137,6 +137,14 @@ def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 # --------------------------------------------------------------------------- FSDP2, in a running rank
 
 
+def _no_record_event(self) -> None:  # a CPU stream before torch 2.9 (see fsdp_gradient): nothing to record
+    return None
+
+
+def _no_wait_event(self, event) -> None:  # nor to wait for
+    return None
+
+
 def fsdp_gradient(
     init: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, ddp_grads: dict, hidden: int, say: Callable
 ) -> dict:
@@ -152,7 +160,8 @@ def fsdp_gradient(
     # gloo's reduce-scatter sums where FSDP2 asks for the average (pytorch#162338): `summed` undoes it in `full`.
     old_cpu = device.type == "cpu" and not hasattr(torch.cpu.Stream, "record_event")
     if old_cpu:
-        torch.cpu.Stream.record_event, torch.cpu.Stream.wait_event = lambda self: None, lambda self, event: None
+        torch.cpu.Stream.record_event = _no_record_event
+        torch.cpu.Stream.wait_event = _no_wait_event
     summed = torch.zeros(1, device=device)
     scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)  # the new name from torch 2.14
     scatter(summed, torch.ones(world, device=device), op=dist.ReduceOp.AVG)  # 1: averaged

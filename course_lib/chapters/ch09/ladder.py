@@ -27,13 +27,13 @@ from typing import Callable, Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from course_lib.chapters.ch00.bench import step_row, tf32
+from course_lib.chapters.ch00.bench import has_tf32, step_row, tf32
 from course_lib.chapters.ch01.matmul import peak_tflops
 from course_lib.chapters.ch02.matmul_speed import matmul_tflops
 from course_lib.chapters.ch02.saved_tensors import saved_tensor_bytes
 from course_lib.chapters.ch09.rungs import Rung, climb, compiles_quickly, course_ladder, format_rows, with_speedup
 from course_lib.chapters.ch09.targets import format_targets, targets
-from course_lib.device import cuda_capability, has_native_bf16, mixed_precision_for, pick_device
+from course_lib.device import has_native_bf16, mixed_precision_for, pick_device
 from course_lib.models import GPT, GPTConfig
 from course_lib.reference import record
 from course_lib.timing import peak_memory_bytes, time_fn
@@ -72,11 +72,14 @@ def resnet50_ladder(
     cuda = dev.type == "cuda"
     if cuda:
         big = torch.cuda.get_device_properties(dev).total_memory >= 24 * 2**30
-        batch, steps, size = batch or (128 if big else 64), steps or 20, image_size or 224
-    else:
-        batch, steps, size = batch or 4, steps or 3, image_size or 64
+        batch = batch or (128 if big else 64)
+        steps = steps or 20
+        size = image_size or 224
+    else:  # a toy run
+        batch = batch or 4
+        steps = steps or 3
+        size = image_size or 64
     shape = (3, size, size)
-    ampere = cuda and cuda_capability(dev) >= (8, 0)
     rows = []
     for label, precision, allow_tf32 in (
         ("FP32 (strict)", "fp32", False),
@@ -88,34 +91,33 @@ def resnet50_ladder(
             mode = label + (" + channels_last" if channels_last else "")
             if modes is not None and mode not in modes:
                 continue
-            why = (
-                "TF32 needs an NVIDIA Ampere-or-newer GPU (sm_80+)"
-                if allow_tf32 and not ampere
-                else "no native bf16 here: it would be emulated"
-                if precision == "bf16" and not has_native_bf16(dev)
-                else "fp16 convolution backward is slow on most CPUs"
-                if precision == "fp16" and not cuda
-                else ""
+            why = _why_skipped(dev, precision, allow_tf32)
+            if why:
+                rows.append({"mode": mode, "note": why})
+                continue
+            timed = step_row(
+                "resnet50",
+                precision,
+                dev,
+                batch=batch,
+                steps=steps,
+                allow_tf32=allow_tf32,
+                channels_last=channels_last,
+                shape=shape,
             )
-            rows.append(
-                {"mode": mode, "note": why}
-                if why
-                else {
-                    "mode": mode,
-                    "image_size": size,
-                    **step_row(
-                        "resnet50",
-                        precision,
-                        dev,
-                        batch=batch,
-                        steps=steps,
-                        allow_tf32=allow_tf32,
-                        channels_last=channels_last,
-                        shape=shape,
-                    ),
-                }
-            )
+            rows.append({"mode": mode, "image_size": size, **timed})
     return with_speedup(rows)
+
+
+def _why_skipped(dev: torch.device, precision: str, allow_tf32: bool) -> str:
+    """Why a ResNet-50 rung is not timed on `dev` ("" when it is)."""
+    if allow_tf32 and not has_tf32(dev):
+        return "TF32 needs an NVIDIA Ampere-or-newer GPU (sm_80+)"
+    if precision == "bf16" and not has_native_bf16(dev):
+        return "no native bf16 here: it would be emulated"
+    if precision == "fp16" and dev.type != "cuda":
+        return "fp16 convolution backward is slow on most CPUs"
+    return ""
 
 
 def largest_batch(
@@ -218,7 +220,7 @@ def gpt_ladder(
             where = "a CPU" if dev.type != "cuda" else f"{os.cpu_count()} CPU cores"
             rows.append({"mode": label, "note": f"skipped: compiling takes minutes on {where} (see the GPU run)"})
             continue
-        if rung.tf32 and not rung.amp and not (dev.type == "cuda" and cuda_capability(dev) >= (8, 0)):
+        if rung.tf32 and not rung.amp and not has_tf32(dev):
             rows.append({"mode": label, "note": "TF32 needs an NVIDIA Ampere-or-newer GPU (sm_80+)"})
             continue
         torch.manual_seed(0)

@@ -201,7 +201,10 @@ def run_script(settings: dict | None = None, device: str = "auto") -> dict:
         model.train()
         return correct.item() / len(test_y)
 
-    steps, samples, evals, log = 0, 0, 0, []
+    steps = 0
+    samples = 0
+    evals = 0
+    log = []  # the losses read back, where the settings read them
     anomaly = contextlib.nullcontext()
     if s["detect_anomaly"]:
         with warnings.catch_warnings():  # torch warns that anomaly mode "will increase the runtime"
