@@ -1,0 +1,12 @@
+"""Chapter 10 (10_memory.ipynb): the library code its cells call, one module per topic.
+
+- memory_model.py: Where a training step's memory goes, predicted tensor by tensor.
+- measure.py: A training step's memory measured by PyTorch's own tracker (MemTracker under
+  FakeTensorMode, on a CPU), for chapter 10's predictions.
+
+Its exercises are checked by course_lib/tooling/checks/ch10.py; the half of each check that runs
+in the learner's kernel is course_lib/tooling/probes/ch10.py. Imports: the core, and earlier
+chapters only (tests/test_structure.py keeps it so).
+"""
+
+__all__: list[str] = []
