@@ -65,3 +65,19 @@ def test_forgetting_the_weight_copies_misses_the_target():
     without = sum(t.nbytes for t in full if t.category != "weight copies")
     measured = measured_gpt(GPTConfig(), 8, 1024, "bf16")["Total"]
     assert off(without, measured) > TARGET
+
+
+def test_the_explorer_shows_a_picture_everywhere_and_redraws_when_a_control_moves(monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from course_lib.chapters.ch10.explorer import WIDGET_VIEW, MemoryExplorer
+
+    explorer = MemoryExplorer(SMALL, batch=2, seq=128)
+    bundle = explorer._repr_mimebundle_()
+    assert bundle["image/png"] and WIDGET_VIEW in bundle  # the live widget, and a picture for readers without one
+    batch_slider = explorer.widget().children[0].children[0]
+    batch_slider.value = 4
+    assert explorer.state["batch"] == 4
+    monkeypatch.setattr(MemoryExplorer, "widget", lambda self: (_ for _ in ()).throw(ImportError("no ipywidgets")))
+    assert set(MemoryExplorer(SMALL)._repr_mimebundle_()) == {"text/plain", "image/png"}

@@ -1,6 +1,8 @@
 """Chapter 10 (10_memory.ipynb): the library code its cells call, one module per topic.
 
 - memory_model.py: Where a training step's memory goes, predicted tensor by tensor.
+- explorer.py: The memory explorer: batch, sequence, precision and checkpointing moved, GPT-2
+  small's predicted step redrawn by kind (a widget with a static picture).
 - measure.py: A training step's memory measured by PyTorch's own tracker (MemTracker under
   FakeTensorMode, on a CPU), for chapter 10's predictions.
 
