@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import io
 
-from course_lib.chapters.ch10.memory_model import gpt_step_tensors
+from course_lib.chapters.ch10.memory_model import gpt_step_tensors, totals_by_category
 from course_lib.models import GPTConfig
 
 __all__ = ["draw_step", "MemoryExplorer"]
@@ -33,12 +33,10 @@ def draw_step(
 
     moments = gpt_step_tensors(config, batch, seq, precision, checkpointing)
     moment = max(moments, key=lambda k: sum(t.nbytes for t in moments[k]))
-    kinds: dict[str, float] = {}
-    for t in moments[moment]:
-        kinds[t.category] = kinds.get(t.category, 0.0) + t.nbytes / GIB
     fig, ax = plt.subplots(figsize=(8, 2.4))
     left = 0.0
-    for kind, gib in kinds.items():
+    for kind, nbytes in totals_by_category(moments[moment]).items():
+        gib = nbytes / GIB
         ax.barh([0], [gib], left=left, label=f"{kind} {gib:.2f}")
         left += gib
     if measured is not None:

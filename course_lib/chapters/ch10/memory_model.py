@@ -28,6 +28,7 @@ __all__ = [
     "Held",
     "gpt_step_tensors",
     "predicted_peak",
+    "totals_by_category",
     "mlp_moments",
     "cnn_moments",
     "Node",
@@ -125,6 +126,14 @@ def gpt_step_tensors(
     step = weights + adamw + logits + [Held("loss", "activations", 1, 4)]
     step += [Held("gradients (fp32)", "gradients", P, 4), Held("AdamW foreach temporaries", "temporaries", P, 4)]
     return {"backward": backward, "step": step}
+
+
+def totals_by_category(held: list[Held]) -> dict[str, int]:
+    """Chapter 10: the bytes of `held` summed per category, in the order the categories first appear."""
+    totals: dict[str, int] = {}
+    for t in held:
+        totals[t.category] = totals.get(t.category, 0) + t.nbytes
+    return totals
 
 
 def predicted_peak(c: GPTConfig, batch: int, seq: int, precision: str = "fp32", checkpointing: bool = False) -> int:
