@@ -243,7 +243,8 @@ def test_the_direction_check_catches_a_forward_import_and_a_private_name(monkeyp
 def test_chapter_homes_form_few_arrows_and_all_point_back():
     arrows = {(chapter_of(module_name(p)), nn) for p in CHAPTER_MODULES for nn, _ in cross_chapter_imports(p)}
     assert all(theirs < mine for mine, theirs in arrows)
-    assert len(arrows) <= 10, f"{len(arrows)} arrows between chapter homes: does something shared belong in the core?"
+    # 11 today: chapter 10 gathers the memory walks of chapters 02 (the MLP) and 04 (SimpleCNN)
+    assert len(arrows) <= 12, f"{len(arrows)} arrows between chapter homes: does something shared belong in the core?"
 
 
 CHAPTER_NOTEBOOKS = sorted(p for d in ("notebooks", "solutions", "exercises") for p in (ROOT / d).glob("[0-9][0-9]_*"))

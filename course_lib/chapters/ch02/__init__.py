@@ -6,6 +6,7 @@
   that saves.
 - autocast_policy.py: What autocast does on the installed torch, found by running it, not by reading
   a list.
+- step_memory.py: A training step's memory, walked through backward and measured: the MLP.
 
 Its exercises are checked by course_lib/tooling/checks/ch02.py; the half of each check that runs
 in the learner's kernel is course_lib/tooling/probes/ch02.py. Imports: the core, and earlier

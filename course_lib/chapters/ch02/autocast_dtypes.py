@@ -224,11 +224,10 @@ def format_mlp_memory_rows(rows: Sequence[dict]) -> str:
     return table(rows, columns, missing="-")
 
 
-def read_mlp_memory_rows(rows: Sequence[dict], largest_weight_mib: float | None = None) -> str:
+def read_mlp_memory_rows(rows: Sequence[dict]) -> str:
     """Chapter 02: mlp_memory_rows in words, computed from the numbers: what autocast saved on
-    activations and added in weight copies, and how the whole step's peak moved. `largest_weight_mib`
-    (the biggest weight matrix in fp32, MiB) lets it name the 16-bit gradient that exists beside its
-    fp32 copy at the end of backward. Rows whose fp32 peaks disagree are flagged."""
+    activations and added in weight copies, and how the whole step's peak moved (where it moved is
+    step_memory.mlp_moments's to say). Rows whose fp32 peaks disagree are flagged."""
     out = []
     for r in rows:
         parts = [f"{r['dtype']}:"]
@@ -246,13 +245,6 @@ def read_mlp_memory_rows(rows: Sequence[dict], largest_weight_mib: float | None 
                 f"The step's peak went from {r['peak_fp32']:.1f} to {r['peak_low']:.1f} MiB "
                 f"({'+' if grew >= 0 else ''}{grew:.1f} MiB)."
             )
-            if largest_weight_mib and grew > 0:
-                parts.append(
-                    f"A {largest_weight_mib:.0f} MiB fp32 weight has a {largest_weight_mib / 2:.0f} MiB "
-                    "16-bit gradient: "
-                    "under autocast the last layer's weight gradient is computed in 16 bits and then cast to fp32, "
-                    "so for a moment both exist, at the end of backward, beside every fp32 gradient."
-                )
         out.append(textwrap.fill(" ".join(parts), 100, subsequent_indent="    "))
     fp32_peaks = [r["peak_fp32"] for r in rows if r.get("peak_fp32")]
     if len(fp32_peaks) > 1 and max(fp32_peaks) > 1.1 * min(fp32_peaks):

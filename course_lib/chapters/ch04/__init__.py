@@ -6,6 +6,7 @@
   BatchNorm, no_sync, a popular article's loop.
 - accumulation_tokens.py: Gradient accumulation with a token-level loss: divide by the real tokens
   of the whole effective batch.
+- cnn_memory.py: SimpleCNN's step memory, walked through backward and measured.
 
 Its exercises are checked by course_lib/tooling/checks/ch04.py; the half of each check that runs
 in the learner's kernel is course_lib/tooling/probes/ch04.py. Imports: the core, and earlier

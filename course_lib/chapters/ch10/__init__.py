@@ -5,6 +5,8 @@
   small's predicted step redrawn by kind (a widget with a static picture).
 - measure.py: A training step's memory measured by PyTorch's own tracker (MemTracker under
   FakeTensorMode, on a CPU), for chapter 10's predictions.
+- master_weights.py: Pure bf16 weights with fp32 master copies: the fix for w + Δw == w.
+- recorded.py: A recorded GPU run's memory, predicted row by row with CUDA's rules.
 
 Its exercises are checked by course_lib/tooling/checks/ch10.py; the half of each check that runs
 in the learner's kernel is course_lib/tooling/probes/ch10.py. Imports: the core, and earlier

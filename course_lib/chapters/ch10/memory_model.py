@@ -5,15 +5,17 @@ constant) and from the order backward frees it: the step's peak is its largest m
 
 - The GPT (`gpt_step_tensors`, `predicted_peak`): two moments, the start of backward (every saved
   activation, autocast's 16-bit weight copies, the logits the loop holds and cross-entropy's two
-  fp32 gradient temporaries) and AdamW's foreach step.
-- The MLP and SimpleCNN (`mlp_moments`, `cnn_moments`): their backward walked op by op.
+  fp32 gradient temporaries) and AdamW's step; fp32, autocast, pure bf16 and bf16 with fp32 master
+  weights, on the CPU's rules or CUDA's.
+- The MLP and SimpleCNN: their backward walked op by op, in the homes of the chapters that first
+  read them (`course_lib.chapters.ch02.step_memory.mlp_moments`, `course_lib.chapters.ch04.cnn_memory.cnn_moments`).
 - ResNet-50 (`resnet50_tape`, `resnet50_moments`): its forward as a tape of nodes, walked in reverse.
 
 course_lib.chapters.ch10.measure measures the same steps with PyTorch's own tracker
-(`MemTracker` under `FakeTensorMode`, on a CPU); tests/test_memory_model.py holds every prediction
-within 2% of it. Not yet predicted: fp16 with a GradScaler (measured only), pure bf16 with fp32
-master weights, checkpointing's recompute moment where the vocabulary is small, and CUDA's own rules
-(flash attention, CUDA autocast's lists, the caching allocator).
+(`MemTracker` under `FakeTensorMode`, on a CPU; fp16 with a GradScaler on real tensors);
+tests/test_memory_model.py holds every prediction within 2% of it, and within 2% of an H100's
+recorded peaks (course_lib.chapters.ch10.recorded). Not predicted: checkpointing's recompute moment
+where the vocabulary is small (the head's moment is predicted), and cuDNN's convolution workspaces.
 """
 
 from __future__ import annotations
@@ -26,11 +28,10 @@ from course_lib.models import GPTConfig, resnet50
 
 __all__ = [
     "Held",
+    "PRECISIONS",
     "gpt_step_tensors",
     "predicted_peak",
     "totals_by_category",
-    "mlp_moments",
-    "cnn_moments",
     "Node",
     "resnet50_tape",
     "resnet50_moments",
@@ -61,22 +62,48 @@ def _param_count(c: GPTConfig) -> int:
     )
 
 
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure", "bf16-master")
+
+
 def gpt_step_tensors(
-    c: GPTConfig, batch: int, seq: int, precision: str = "fp32", checkpointing: bool = False
+    c: GPTConfig,
+    batch: int,
+    seq: int,
+    precision: str = "fp32",
+    checkpointing: bool = False,
+    *,
+    device: str = "cpu",
+    logits_held: bool = True,
+    optimizer: str = "foreach",
 ) -> dict[str, list[Held]]:
     """Chapter 10: what one training step of the course's GPT holds, phase by phase ("backward": at
-    the start of backward; "step": inside AdamW's foreach step). `precision`: "fp32", or "bf16" /
-    "fp16" autocast (weights, gradients and AdamW's state stay fp32)."""
+    the start of backward; "step": inside AdamW's step).
+
+    `precision`: "fp32"; "bf16" / "fp16" autocast (weights, gradients and AdamW's state stay fp32);
+    "bf16-pure" (the model cast to bf16, AdamW on the bf16 weights); "bf16-master" (the model in
+    bf16, AdamW on fp32 master copies: the step copies each bf16 gradient to an fp32 one).
+    `device`: "cuda" applies CUDA autocast's rule that differs from the CPU's (a materialized
+    softmax runs in fp32, and the next matmul saves a 16-bit copy of it). `logits_held`: the loop
+    keeps `logits, loss = model(x, y)` (the course's loops) or only the loss. `optimizer`:
+    "foreach" (one parameter-sized temporary during step) or "fused" (none)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {PRECISIONS}")
     C, L, V, nh = c.n_embd, c.n_layer, c.vocab_size, c.n_head
     P = _param_count(c)
-    f = 4  # fp32: the residual stream and LayerNorm's inputs stay fp32 under autocast
-    p = 2 if precision in ("bf16", "fp16") else 4  # what a matmul's inputs and outputs are
+    pure = precision.startswith("bf16-")
+    autocast = precision in ("bf16", "fp16")
+    p = 4 if precision == "fp32" else 2  # what a matmul's inputs and outputs are
+    f = 2 if pure else 4  # the residual stream and LayerNorm's inputs: fp32 under autocast
+    w = 2 if pure else 4  # the weights and their gradients
     BT = batch * seq
     BTC = BT * C
     BTV = BT * V
-    weights = [Held("parameters (fp32)", "parameters", P, 4)]
+    weights = [Held(f"parameters ({'bf16' if pure else 'fp32'})", "parameters", P, w)]
+    if precision == "bf16-master":
+        weights.append(Held("fp32 master weights", "optimizer", P, 4))
+    state = 2 if precision == "bf16-pure" else 4  # AdamW's moments are the dtype of what it steps
     adamw = [
-        Held("AdamW exp_avg and exp_avg_sq (fp32)", "optimizer", 2 * P, 4),
+        Held("AdamW exp_avg and exp_avg_sq", "optimizer", 2 * P, state),
         Held("AdamW step counters", "optimizer", 4 + 12 * L, 4),  # one per parameter tensor
     ]
 
@@ -87,10 +114,18 @@ def gpt_step_tensors(
                 Held(f"block {i}: attention output", "activations", BTC, p),
                 Held(f"block {i}: attention logsumexp", "activations", batch * nh * seq, 4),
             ]
+        scores = batch * nh * seq * seq
+        if device == "cuda" and autocast:  # CUDA autocast runs softmax in fp32; the next bmm saves a 16-bit copy
+            softmax = [
+                Held(f"block {i}: softmax output (fp32, T x T per head)", "activations", scores, 4),
+                Held(f"block {i}: its 16-bit copy for the next matmul", "activations", scores, 2),
+            ]
+        else:
+            softmax = [Held(f"block {i}: softmax output (T x T per head)", "activations", scores, p)]
         return [  # the textbook way: copies of q, k, v for the batched matmuls, the mask, the T x T softmax
             Held(f"block {i}: q, k, v (copies for bmm)", "activations", 3 * BTC, p),
             Held(f"block {i}: causal mask", "activations", seq * seq, 1),
-            Held(f"block {i}: softmax output (T x T per head)", "activations", batch * nh * seq * seq, p),
+            *softmax,
             Held(f"block {i}: proj input (heads side by side, a copy)", "activations", BTC, p),
         ]
 
@@ -117,14 +152,19 @@ def gpt_step_tensors(
         Held("log-softmax output (fp32)", "activations", BTV, 4),
         Held("loss", "activations", 1, 4),
     ]
-    if p == 2 and not checkpointing:  # each Linear saves its weight: under autocast, a 16-bit copy
+    if autocast and not checkpointing:  # each Linear saves its weight: under autocast, a 16-bit copy
         saved.append(Held("16-bit weight copies (autocast's cache)", "weight copies", L * 12 * C * C + V * C, 2))
-    elif p == 2:
+    elif autocast:
         saved.append(Held("16-bit copy of the tied lm_head weight", "weight copies", V * C, 2))
-    logits = [Held("logits (the caller holds them)", "held", BTV, p)]
+    logits = [Held("logits (the caller holds them)", "held", BTV, p)] if logits_held else []
     backward = weights + adamw + saved + logits + [Held("cross-entropy gradients (fp32)", "temporaries", 2 * BTV, 4)]
     step = weights + adamw + logits + [Held("loss", "activations", 1, 4)]
-    step += [Held("gradients (fp32)", "gradients", P, 4), Held("AdamW foreach temporaries", "temporaries", P, 4)]
+    if precision == "bf16-master":  # each bf16 gradient copied to its master's .grad, then released
+        step.append(Held("fp32 gradients of the master weights", "gradients", P, 4))
+    else:
+        step.append(Held(f"gradients ({'bf16' if pure else 'fp32'})", "gradients", P, w))
+    if optimizer == "foreach":
+        step.append(Held("AdamW foreach temporaries", "temporaries", P, state))
     return {"backward": backward, "step": step}
 
 
@@ -136,87 +176,12 @@ def totals_by_category(held: list[Held]) -> dict[str, int]:
     return totals
 
 
-def predicted_peak(c: GPTConfig, batch: int, seq: int, precision: str = "fp32", checkpointing: bool = False) -> int:
-    """Chapter 10: the largest phase of gpt_step_tensors, in bytes."""
-    phases = gpt_step_tensors(c, batch, seq, precision, checkpointing)
+def predicted_peak(
+    c: GPTConfig, batch: int, seq: int, precision: str = "fp32", checkpointing: bool = False, **loop: str | bool
+) -> int:
+    """Chapter 10: the largest phase of gpt_step_tensors, in bytes (`loop`: its keyword arguments)."""
+    phases = gpt_step_tensors(c, batch, seq, precision, checkpointing, **loop)
     return max(sum(t.nbytes for t in held) for held in phases.values())
-
-
-# --------------------------------------------------------------------------- the MLP, walked through backward
-
-
-def mlp_moments(
-    width: int, depth: int, batch: int, precision: str = "fp32", classes: int = 10, in_features: int | None = None
-) -> dict[str, int]:
-    """Chapter 10: the bytes the course's MLP step holds at each moment of its backward pass (SGD, no
-    state), walked op by op; the peak is the largest. Where an MLP's weights dominate, the peak is
-    in the first Linear's backward (its 16-bit weight gradient cast to the fp32 .grad beside the
-    later layers' gradients); where its activations dominate, in the last ReLU's backward."""
-    p = 2 if precision in ("bf16", "fp16") else 4
-    amp = p == 2
-    first = in_features or width
-    shapes = [(first, width)] + [(width, width)] * (depth - 1) + [(width, classes)]  # (in, out) per Linear
-    params = 4 * sum(i * o + o for i, o in shapes)
-    # Linear k saves its input: for k > 0 the ReLU output before it (which that ReLU saves too), for
-    # k = 0 under autocast a 16-bit copy of the batch (in fp32 the batch itself: nothing new). Under
-    # autocast it saves its 16-bit weight copy too, except the first: only the input's gradient needs
-    # the weight, and the batch has none.
-    saved_in = [batch * i * p if (k > 0 or amp) else 0 for k, (i, o) in enumerate(shapes)]
-    copy = [i * o * 2 if amp and k > 0 else 0 for k, (i, o) in enumerate(shapes)]
-    moments = {"end of forward": params + sum(saved_in) + sum(copy) + batch * classes * 4}
-    grads = 0
-    grad_out = batch * classes * 4  # d loss / d logits, fp32 out of log_softmax's backward
-    for k in reversed(range(len(shapes))):
-        i, o = shapes[k]
-        earlier = sum(saved_in[:k]) + sum(copy[:k])  # what the earlier layers still hold
-        grad_in = batch * i * p if k > 0 else 0  # the batch needs no gradient
-        grad_w = i * o * p
-        inside = params + grads + earlier + saved_in[k] + copy[k] + grad_out + grad_in + grad_w
-        cast = params + grads + earlier + grad_in + grad_w + (4 * i * o if amp else 0)  # to the fp32 .grad
-        moments[f"Linear {k} backward"] = max(inside, cast)
-        grads += 4 * (i * o + o)
-        grad_out = grad_in
-        if k > 0:  # ReLU k-1: its output (Linear k's input) still saved; the gradient in and out
-            moments[f"ReLU {k - 1} backward"] = params + grads + earlier + saved_in[k] + 2 * grad_in
-    moments["optimizer step"] = params + grads
-    return moments
-
-
-# --------------------------------------------------------------------------- SimpleCNN
-
-
-def cnn_moments(
-    width: int = 64, batch: int = 64, size: int = 28, precision: str = "fp32", channels: int = 1, classes: int = 10
-) -> dict[str, int]:
-    """Chapter 10: the bytes the course's SimpleCNN step (SGD) holds at each moment of backward. Its
-    activations dominate, so the peak is the second ReLU's backward: every saved activation plus
-    two gradients the size of that ReLU's output."""
-    p = 2 if precision in ("bf16", "fp16") else 4
-    amp = p == 2
-    c1, c2 = width, 2 * width
-    h1, h2 = size - 2, size - 4  # 3x3 convolutions without padding
-    w1, w2, wf = c1 * channels * 9, c2 * c1 * 9, classes * c2
-    params = 4 * (w1 + c1 + w2 + c2 + wf + classes)
-    x16 = batch * channels * size * size * p if amp else 0  # conv1's input: under autocast a 16-bit copy
-    a1 = batch * c1 * h1 * h1 * p  # relu1's output, saved by relu1 and by conv2
-    a2 = batch * c2 * h2 * h2 * p  # relu2's output, saved by relu2 and by the pooling
-    pooled = batch * c2 * p  # fc's input
-    # under autocast each layer saves its 16-bit weight copy (a convolution saves it even for conv1)
-    copy1, copy2, copyf = (w1 * 2, w2 * 2, wf * 2) if amp else (0, 0, 0)
-    cast = 4 if amp else 0  # a 16-bit weight gradient is cast to the fp32 .grad
-    moments = {}
-    saved = x16 + a1 + a2 + copy1 + copy2
-    moments["fc backward"] = params + saved + pooled + copyf + batch * classes * 4 + pooled + wf * p
-    grads = 4 * (wf + classes)
-    moments["pool backward"] = params + grads + saved + pooled + a2
-    moments["relu2 backward"] = params + grads + saved + 2 * a2
-    moments["conv2 backward"] = params + grads + x16 + a1 + copy1 + copy2 + a2 + a1 + w2 * (p + cast)
-    grads += 4 * (w2 + c2)
-    moments["relu1 backward"] = params + grads + x16 + a1 + copy1 + 2 * a1
-    moments["conv1 backward"] = params + grads + x16 + copy1 + a1 + w1 * (p + cast)
-    grads += 4 * (w1 + c1)
-    moments["optimizer step"] = params + grads
-    return moments
 
 
 # --------------------------------------------------------------------------- ResNet-50: a tape, walked backward
@@ -295,19 +260,22 @@ def resnet50_tape(batch: int, size: int, precision: str = "fp32", classes: int =
     return sizes, nodes
 
 
-def resnet50_moments(batch: int, size: int, precision: str = "fp32", classes: int = 1000) -> dict[str, int]:
+def resnet50_moments(
+    batch: int, size: int, precision: str = "fp32", classes: int = 1000, momentum: bool = True
+) -> dict[str, int]:
     """Chapter 10: ResNet-50's step (SGD with momentum) at each moment of backward, walking its tape in
     reverse: a saved tensor is freed when the first node (in forward order) that saves it has run
     backward; a gradient waits until the node that made its tensor runs; under autocast each weight
-    gradient is made in 16 bits and cast to the fp32 .grad."""
+    gradient is made in 16 bits and cast to the fp32 .grad. `momentum=False`: SGD has not made its
+    buffer yet (no step has run: a GradScaler that skipped every step so far)."""
     amp = precision in ("bf16", "fp16")
     p = 2 if amp else 4
     with torch.device("meta"):  # shapes only: counting parameters and buffers allocates nothing
         meta = resnet50(num_classes=classes)
     params = 4 * sum(t.numel() for t in meta.parameters())
     buffers = sum(t.numel() * t.element_size() for t in meta.buffers())  # BatchNorm's running statistics
-    momentum = params  # SGD's momentum buffer, one fp32 copy of the parameters
-    fixed = params + buffers + momentum
+    state = params if momentum else 0  # SGD's momentum buffer, one fp32 copy of the parameters
+    fixed = params + buffers + state
     sizes, nodes = resnet50_tape(batch, size, precision, classes)
     first_user: dict[str, int] = {}
     for i, node in enumerate(nodes):
