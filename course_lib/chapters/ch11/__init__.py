@@ -1,0 +1,13 @@
+"""Chapter 11 (11_speed.ipynb): the library code its cells call, one module per topic.
+
+- roofline.py: Predicting an op's time from two measured ceilings and a floor: the roofline, on
+  this machine and on a recorded GPU.
+- fp8.py: FP8 matmuls by hand: formats, tensorwise and rowwise scales, and what torch._scaled_mm
+  computes.
+
+Its exercises are checked by course_lib/tooling/checks/ch11.py; the half of each check that runs
+in the learner's kernel is course_lib/tooling/probes/ch11.py. Imports: the core, and earlier
+chapters only (tests/test_structure.py keeps it so).
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,73 @@
+"""FP8 matmuls by hand: formats, scales, and what `torch._scaled_mm` computes (chapter 11).
+
+An FP8 matmul on Hopper or Ada multiplies 8-bit operands on the Tensor Cores and accumulates in
+fp32. Eight bits hold little range, so each operand is first *scaled* into the format's range and
+the product is scaled back: with `scale = fp8_max / amax`,
+
+    a8 = round_to_fp8(a * scale_a)      b8 = round_to_fp8(b * scale_b)
+    a @ b  ~=  (a8 @ b8) / (scale_a * scale_b)
+
+`torch._scaled_mm(a8, b8, scale_a=1/scale_a, scale_b=1/scale_b)` takes the *inverse* scales (what
+to multiply the product by) and runs on a CPU too, so every number here can be checked without an
+FP8 GPU. Tensorwise scaling uses one amax for a whole operand; rowwise uses one per row of `a` and
+one per column of `b` (the rows and columns a dot product pairs), so one outlier row costs only its
+own row's precision. Forward operands (activations, weights) use e4m3, which has more mantissa;
+gradients use e5m2, which has more range. Scales are computed from the current tensor (dynamic
+scaling): torchao dropped delayed scaling, which used an amax history, in 2025.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["FP8_FORMATS", "fp8_max", "amax_scales", "to_fp8", "fp8_matmul", "fp8_matmul_by_hand"]
+
+FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def fp8_max(fmt: str = "e4m3") -> float:
+    """Chapter 11: the largest finite number of an FP8 format (448 for e4m3fn, 57,344 for e5m2)."""
+    return float(torch.finfo(FP8_FORMATS[fmt]).max)
+
+
+def amax_scales(
+    a: torch.Tensor, b: torch.Tensor, granularity: str = "tensorwise", fmt: str = "e4m3"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chapter 11: the scales that map `a` (M x K) and `b` (K x N) into `fmt`'s range: fp8_max / amax,
+    fp32. "tensorwise": one scalar each; "rowwise": a (M, 1) column for `a` (one per row) and a
+    (1, N) row for `b` (one per column: the pairs a dot product multiplies)."""
+    if granularity == "tensorwise":
+        amax_a, amax_b = a.abs().amax(), b.abs().amax()
+    elif granularity == "rowwise":
+        amax_a, amax_b = a.abs().amax(dim=1, keepdim=True), b.abs().amax(dim=0, keepdim=True)
+    else:
+        raise ValueError(f"unknown granularity {granularity!r}; choose 'tensorwise' or 'rowwise'")
+    tiny = torch.finfo(torch.float32).tiny  # an all-zero row would divide by zero
+    top = fp8_max(fmt)
+    return top / amax_a.float().clamp(min=tiny), top / amax_b.float().clamp(min=tiny)
+
+
+def to_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
+    """Chapter 11: `x * scale` rounded to `fmt`, saturated at its largest number first (a cast alone
+    would turn an out-of-range e4m3 value into NaN)."""
+    top = fp8_max(fmt)
+    return (x.float() * scale).clamp(-top, top).to(FP8_FORMATS[fmt])
+
+
+def fp8_matmul(
+    a: torch.Tensor, b: torch.Tensor, granularity: str = "tensorwise", out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Chapter 11: `a @ b` through e4m3 with `torch._scaled_mm`, as torchao's float8 training runs a
+    forward Linear (its second operand column-major, as cuBLAS wants it)."""
+    scale_a, scale_b = amax_scales(a, b, granularity)
+    a8, b8 = to_fp8(a, scale_a), to_fp8(b, scale_b)
+    b8 = b8.t().contiguous().t()  # column-major
+    return torch._scaled_mm(a8, b8, scale_a=1 / scale_a, scale_b=1 / scale_b, out_dtype=out_dtype)
+
+
+def fp8_matmul_by_hand(a: torch.Tensor, b: torch.Tensor, granularity: str = "tensorwise") -> torch.Tensor:
+    """Chapter 11: the same product written out: round both operands to e4m3, multiply them exactly in
+    fp32, divide by the scales."""
+    scale_a, scale_b = amax_scales(a, b, granularity)
+    a8, b8 = to_fp8(a, scale_a), to_fp8(b, scale_b)
+    return (a8.float() @ b8.float()) / (scale_a * scale_b)

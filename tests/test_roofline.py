@@ -1,0 +1,93 @@
+"""course_lib.chapters.ch11: the roofline's arithmetic, its prediction on this CPU and on the recorded
+H100, and FP8 scaling by hand against torch._scaled_mm."""
+import pytest
+import torch
+
+from course_lib.chapters.ch11.fp8 import amax_scales, fp8_matmul, fp8_matmul_by_hand, fp8_max, to_fp8
+from course_lib.chapters.ch11.roofline import (
+    Ceilings,
+    bound_by,
+    elementwise_op,
+    matmul_op,
+    measure_ceilings,
+    predicted_seconds,
+    recorded_matmul_rows,
+    roofline_rows,
+)
+from course_lib.reference import load_references
+
+TOY = Ceilings(device="cpu", flops={"fp32": 1e11, "bf16": 2e11}, bandwidth=1e10, launch=1e-6)
+
+
+def test_a_matmul_counts_two_flops_a_term_and_each_element_once():
+    op = matmul_op(8, 16, 4)
+    assert op.flops == 2 * 8 * 16 * 4
+    assert op.bytes == 4 * (8 * 16 + 16 * 4 + 8 * 4)
+    assert matmul_op(8, 16, 4, dtype="bf16").bytes == op.bytes / 2
+
+
+def test_the_prediction_is_the_larger_time_plus_the_floor_and_names_its_bound():
+    big = matmul_op(256, 256, 256)  # 33.6 MFLOP, 786 KB: compute takes longer than memory here
+    assert predicted_seconds(big, TOY) == pytest.approx(big.flops / 1e11 + 1e-6)
+    assert bound_by(big, TOY) == "compute"
+    add = elementwise_op(2**16, "add")
+    assert predicted_seconds(add, TOY) == pytest.approx(add.bytes / 1e10 + 1e-6)
+    assert bound_by(add, TOY) == "memory"
+    assert bound_by(elementwise_op(4, "add"), TOY) == "launch"
+    assert TOY.ridge("bf16") == 2 * TOY.ridge("fp32") == 20.0
+
+
+def test_a_compute_bound_matmul_on_this_cpu_is_predicted_within_a_loose_bound():
+    # The ceiling comes from a square matmul; another shape is predicted from it. Counting m*k*n FLOPs
+    # instead of 2*m*k*n would be off by half: a loose bound (this machine's timing noise) still fails it.
+    ceilings = measure_ceilings("cpu", dtypes=("fp32",), size=512, copy_mib=16)
+    row = roofline_rows([matmul_op(1024, 256, 512)], ceilings)[0]
+    assert row["bound"] == "compute"
+    assert abs(row["error"]) < 0.4, row
+
+
+RECORDED = load_references("roofline_*.json")
+
+
+@pytest.mark.skipif(not RECORDED, reason="no recorded roofline run in data/reference")
+def test_the_recorded_large_matmuls_are_within_twenty_percent_and_odd_shapes_are_not():
+    rows = recorded_matmul_rows(RECORDED[0])
+    large = [r for r in rows if r["op"].startswith("matmul") and int(r["op"].split()[1].split("x")[0]) >= 4096]
+    assert large and all(abs(r["error"]) < 0.2 for r in large), large
+    odd = [r for r in rows if "x4095x" in r["op"] or "x4097x" in r["op"] or r["op"].endswith("50257")]
+    assert odd and all(r["measured"] > 3 * r["predicted"] for r in odd)  # what the roofline cannot see
+
+
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+def test_scaling_by_hand_is_what_scaled_mm_computes(granularity):
+    torch.manual_seed(0)
+    a, b = torch.randn(32, 64), torch.randn(64, 16) * 0.05
+    library, by_hand = fp8_matmul(a, b, granularity), fp8_matmul_by_hand(a, b, granularity)
+    assert (library - by_hand).norm() / library.norm() < 1e-6
+    assert 0.01 < ((library - a @ b).norm() / (a @ b).norm()).item() < 0.08  # e4m3's own rounding
+
+
+def test_scales_map_the_largest_magnitude_onto_the_format_maximum():
+    a = torch.tensor([[1.0, -4.0], [0.5, 2.0]])
+    b = torch.tensor([[2.0, 0.0], [-1.0, 8.0]])
+    sa, sb = amax_scales(a, b, "tensorwise")
+    assert sa.item() == 448 / 4 and sb.item() == 448 / 8
+    sa, sb = amax_scales(a, b, "rowwise")
+    assert sa.flatten().tolist() == [448 / 4, 448 / 2] and sb.flatten().tolist() == [448 / 2, 448 / 8]
+    assert amax_scales(a, b, fmt="e5m2")[0].item() == 57344 / 4 == fp8_max("e5m2") / 4
+    assert to_fp8(torch.tensor([1e6]), torch.tensor(1.0)).float().item() == 448  # saturated, not NaN
+    with pytest.raises(ValueError, match="granularity"):
+        amax_scales(a, b, "blockwise")
+
+
+def test_rowwise_scaling_protects_the_other_rows_from_a_huge_outlier():
+    torch.manual_seed(0)
+    a, w = torch.randn(16, 64), torch.randn(64, 8) * 0.02
+    a[3] *= 1e6  # the other rows fall below e4m3's smallest numbers under one scale
+    others = [i for i in range(16) if i != 3]
+    exact = a @ w
+
+    def error(granularity):
+        return ((fp8_matmul(a, w, granularity) - exact)[others].norm() / exact[others].norm()).item()
+
+    assert error("rowwise") < 0.08 < 0.2 < error("tensorwise")
