@@ -91,3 +91,50 @@ def test_rowwise_scaling_protects_the_other_rows_from_a_huge_outlier():
         return ((fp8_matmul(a, w, granularity) - exact)[others].norm() / exact[others].norm()).item()
 
     assert error("rowwise") < 0.08 < 0.2 < error("tensorwise")
+
+
+QUESTIONS = load_references("questions_*.json")
+
+
+@pytest.mark.skipif(not QUESTIONS, reason="no recorded questions run in data/reference")
+def test_the_small_cnn_steps_are_predicted_from_their_kernel_counts():
+    from course_lib.chapters.ch11.roofline import host_bound_rows
+
+    rows = {r["mode"]: r for r in host_bound_rows(QUESTIONS[0]["simplecnn"])}
+    assert rows["fp32"]["error"] == pytest.approx(0.0)  # the row the host's cost per kernel is read from
+    bf16 = rows["bf16"]
+    assert bf16["bound"] == "host" and bf16["kernels"] > rows["fp32"]["kernels"]
+    assert abs(bf16["error"]) < 0.1 and bf16["gpu_ms"] < rows["fp32"]["gpu_ms"]  # less GPU work, a slower step
+
+
+def test_a_profiled_op_gets_the_roofline_cost_of_its_kind():
+    from course_lib.chapters.ch11.roofline import recorded_op_cost
+
+    mm = {"op": "aten::mm", "dims": [[8, 4], [4, 2]], "types": ["c10::BFloat16", "c10::BFloat16"]}
+    assert recorded_op_cost(mm, 0) == ("matmul", 2 * 8 * 4 * 2, 2 * (32 + 8 + 16))
+    addmm = {"op": "aten::addmm", "dims": [[2], [8, 4], [4, 2], [], []],
+             "types": ["float", "float", "float", "Scalar", "Scalar"]}
+    assert recorded_op_cost(addmm, 0)[:2] == ("matmul", 2 * 8 * 4 * 2)
+    attn = {"op": "aten::_cudnn_attention_backward", "dims": [[2, 3, 16, 8]] * 4, "types": ["c10::BFloat16"] * 4}
+    assert recorded_op_cost(attn, 0)[1] == 2.5 * 2 * 2 * 3 * 16 * 16 * 8
+    adamw = {"op": "aten::_fused_adamw_", "dims": [[]], "types": ["TensorList"]}
+    assert recorded_op_cost(adamw, 1000) == ("optimizer", 0.0, 28_000)
+    add = {"op": "aten::add", "dims": [[10, 10], [10, 10], []], "types": ["float", "float", "Scalar"]}
+    assert recorded_op_cost(add, 0) == ("memory", 100, 1200)
+
+
+@pytest.mark.skipif(not RECORDED, reason="no recorded roofline run in data/reference")
+def test_the_recorded_gpt_step_matmuls_are_predicted_and_attention_is_not():
+    from course_lib.chapters.ch11.roofline import recorded_ceilings, recorded_step_rows
+    from course_lib.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GPT(GPTConfig()).parameters())
+    rows = recorded_step_rows(RECORDED[0]["ops"]["gpt2 bf16 batch 8"], recorded_ceilings(RECORDED[0]), params)
+    matmuls = [r for r in rows if r["kind"] == "matmul"]
+    total = sum(r["predicted_us"] for r in matmuls) / sum(r["measured_us"] for r in matmuls)
+    assert abs(total - 1) < 0.2
+    output_layer = [r for r in matmuls if "50304" in r["shape"]]
+    assert output_layer and all(abs(r["error"]) < 0.2 for r in output_layer)
+    attention = [r for r in rows if r["kind"] == "attention"]
+    assert attention and all(r["error"] < -0.5 for r in attention)  # far below the matmul ceiling

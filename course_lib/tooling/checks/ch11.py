@@ -78,7 +78,7 @@ def _near(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
 class FP8Matmul(Check):
     name, args, points = "11.fp8_matmul", ("fp8_matmul",), 3
     hint = (
-        "Chapter 11, section 6: scale = 448 / amax (e4m3's largest number over the largest magnitude); "
+        "Chapter 11, section 8: scale = 448 / amax (e4m3's largest number over the largest magnitude); "
         "tensorwise: one amax per operand; rowwise: one per row of a and one per column of b. Round a * scale_a "
         "and b * scale_b to torch.float8_e4m3fn (clamp first), multiply in fp32, and divide by scale_a * scale_b "
         "(or pass 1 / scale to torch._scaled_mm)."
