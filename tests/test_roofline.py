@@ -98,7 +98,7 @@ QUESTIONS = load_references("questions_*.json")
 
 @pytest.mark.skipif(not QUESTIONS, reason="no recorded questions run in data/reference")
 def test_the_small_cnn_steps_are_predicted_from_their_kernel_counts():
-    from course_lib.chapters.ch11.roofline import host_bound_rows
+    from course_lib.chapters.ch11.step_profile import host_bound_rows
 
     rows = {r["mode"]: r for r in host_bound_rows(QUESTIONS[0]["simplecnn"])}
     assert rows["fp32"]["error"] == pytest.approx(0.0)  # the row the host's cost per kernel is read from
@@ -108,7 +108,7 @@ def test_the_small_cnn_steps_are_predicted_from_their_kernel_counts():
 
 
 def test_a_profiled_op_gets_the_roofline_cost_of_its_kind():
-    from course_lib.chapters.ch11.roofline import recorded_op_cost
+    from course_lib.chapters.ch11.step_profile import recorded_op_cost
 
     mm = {"op": "aten::mm", "dims": [[8, 4], [4, 2]], "types": ["c10::BFloat16", "c10::BFloat16"]}
     assert recorded_op_cost(mm, 0) == ("matmul", 2 * 8 * 4 * 2, 2 * (32 + 8 + 16))
@@ -125,7 +125,8 @@ def test_a_profiled_op_gets_the_roofline_cost_of_its_kind():
 
 @pytest.mark.skipif(not RECORDED, reason="no recorded roofline run in data/reference")
 def test_the_recorded_gpt_step_matmuls_are_predicted_and_attention_is_not():
-    from course_lib.chapters.ch11.roofline import recorded_ceilings, recorded_step_rows
+    from course_lib.chapters.ch11.roofline import recorded_ceilings
+    from course_lib.chapters.ch11.step_profile import recorded_step_rows
     from course_lib.models import GPT, GPTConfig
 
     with torch.device("meta"):
@@ -138,3 +139,39 @@ def test_the_recorded_gpt_step_matmuls_are_predicted_and_attention_is_not():
     assert output_layer and all(abs(r["error"]) < 0.2 for r in output_layer)
     attention = [r for r in rows if r["kind"] == "attention"]
     assert attention and all(r["error"] < -0.5 for r in attention)  # far below the matmul ceiling
+
+
+def test_the_fp8_gemm_sweep_times_both_formats_and_reads_as_a_table():
+    from course_lib.chapters.ch11.fp8 import format_fp8_sweep, fp8_gemm_sweep
+
+    rows = fp8_gemm_sweep("cpu", ((32, 64, 16),))  # on a CPU _scaled_mm is emulated: the plumbing, not the speed
+    assert rows[0]["bf16_ms"] > 0 and rows[0]["fp8_ms"] > 0
+    assert rows[0]["speedup"] == pytest.approx(rows[0]["bf16_ms"] / rows[0]["fp8_ms"])
+    assert "32 x 64 x 16" in format_fp8_sweep(rows)
+
+
+def test_a_cpu_step_is_profiled_op_by_op_in_the_recorded_format():
+    import torch.nn.functional as F
+
+    from course_lib.chapters.ch11.step_profile import profile_step, recorded_step_rows
+    from course_lib.models import MLP
+
+    model = MLP(in_features=64, hidden=64, depth=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+
+    def step():
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    ops = profile_step(step, steps=2)
+    names = {op["op"] for op in ops}
+    assert {"aten::addmm", "aten::mm"} <= names and all(op["us"] > 0 for op in ops)
+    params = sum(p.numel() for p in model.parameters())
+    rows = recorded_step_rows(ops, TOY, params, floor=True)
+    views = [r for r in rows if r["op"] in ("t", "transpose", "view")]
+    assert all(r["predicted_us"] is None for r in views)  # views move no data: not predicted
+    addmm = next(r for r in rows if r["op"] == "addmm" and r["shape"] == "32x64x64")
+    compute, memory = 2 * 32 * 64 * 64 / 1e11, 4 * (32 * 64 + 64 * 64 + 32 * 64) / 1e10
+    assert addmm["predicted_us"] == pytest.approx(1e6 * addmm["calls"] * (max(compute, memory) + 1e-6))

@@ -2,6 +2,8 @@
 
 - roofline.py: Predicting an op's time from two measured ceilings and a floor: the roofline, on
   this machine and on a recorded GPU.
+- step_profile.py: A whole step, op by op: profiled ops (this CPU's, or a recorded GPU's) costed by
+  the roofline's rules; a host-bound step predicted from its kernel count.
 - fp8.py: FP8 matmuls by hand: formats, tensorwise and rowwise scales, and what torch._scaled_mm
   computes.
 

@@ -20,7 +20,19 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FP8_FORMATS", "fp8_max", "amax_scales", "to_fp8", "fp8_matmul", "fp8_matmul_by_hand"]
+from course_lib.tables import table
+from course_lib.timing import time_fn
+
+__all__ = [
+    "FP8_FORMATS",
+    "fp8_max",
+    "amax_scales",
+    "to_fp8",
+    "fp8_matmul",
+    "fp8_matmul_by_hand",
+    "fp8_gemm_sweep",
+    "format_fp8_sweep",
+]
 
 FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -71,3 +83,39 @@ def fp8_matmul_by_hand(a: torch.Tensor, b: torch.Tensor, granularity: str = "ten
     scale_a, scale_b = amax_scales(a, b, granularity)
     a8, b8 = to_fp8(a, scale_a), to_fp8(b, scale_b)
     return (a8.float() @ b8.float()) / (scale_a * scale_b)
+
+
+SWEEP = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (16384, 768, 3072))
+
+
+def fp8_gemm_sweep(device: str = "cuda", shapes: tuple[tuple[int, int, int], ...] = SWEEP) -> list[dict]:
+    """Chapter 11: for each (m, k, n), a bf16 matmul against the same product in e4m3 with tensorwise
+    scales (`torch._scaled_mm`, bf16 out), operands quantized beforehand: the GEMMs alone, as
+    `torch.compile` leaves them once it has fused the casts. On a GPU with FP8 Tensor Cores (sm_89
+    and newer) this shows where FP8 starts to pay; elsewhere `_scaled_mm` is emulated."""
+    rows = []
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device=device)
+        b = torch.randn(k, n, device=device)
+        scale_a, scale_b = amax_scales(a, b)
+        a8 = to_fp8(a, scale_a)
+        b8 = to_fp8(b, scale_b).t().contiguous().t()
+        inv_a, inv_b = 1 / scale_a, 1 / scale_b
+        a16, b16 = a.bfloat16(), b.bfloat16()
+        bf16 = time_fn(lambda: a16 @ b16, device=device).median_ms
+        fp8 = time_fn(
+            lambda: torch._scaled_mm(a8, b8, scale_a=inv_a, scale_b=inv_b, out_dtype=torch.bfloat16), device=device
+        ).median_ms
+        rows.append({"m": m, "k": k, "n": n, "bf16_ms": bf16, "fp8_ms": fp8, "speedup": bf16 / fp8})
+    return rows
+
+
+def format_fp8_sweep(rows: list[dict]) -> str:
+    """Chapter 11: fp8_gemm_sweep's rows as a table."""
+    columns = [
+        ("M x K x N", lambda r: f"{r['m']} x {r['k']} x {r['n']}", "<"),
+        ("bf16 ms", "bf16_ms", ".3f"),
+        ("fp8 ms", "fp8_ms", ".3f"),
+        ("speed-up", "speedup", ".2f"),
+    ]
+    return table(rows, columns)

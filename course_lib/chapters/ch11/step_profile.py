@@ -1,0 +1,273 @@
+"""A whole step, op by op: profiled ops costed by the roofline's rules (chapter 11, sections 3, 5, 6).
+
+A profile lists a step's ops with their input shapes and times, on this CPU (`profile_step`) or as
+recorded on a GPU (roofline_<gpu>.json "ops"). `recorded_op_cost` gives each op its FLOPs and bytes
+by the roofline's rules, `recorded_step_rows` predicts it on a machine's `Ceilings` and sets the
+measurement beside it. `host_bound_rows` predicts a small model's step from the kernels it launches:
+where the host is slower than the GPU, the step takes the host's time.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from course_lib.chapters.ch11.roofline import Ceilings
+from course_lib.tables import table
+
+__all__ = [
+    "host_bound_rows",
+    "format_host_bound_rows",
+    "profile_step",
+    "recorded_op_cost",
+    "recorded_step_rows",
+    "format_step_rows",
+]
+
+
+def host_bound_rows(profiles: dict[str, dict], base: str = "fp32") -> list[dict]:
+    """Chapter 11: a recorded small model's steps (questions_<gpu>.json "simplecnn"), predicted as
+    max(the GPU's kernel time, kernels x the host's cost per kernel). The host's cost per kernel is
+    read from the `base` step (its wall time over its kernels: one number, not fitted per row); the
+    other modes are predicted from their own kernel counts."""
+    ref = profiles[base]
+    per_kernel = ref["ms_per_step"] / ref["kernels"]["kernels_per_step"]
+    rows = []
+    for mode, r in profiles.items():
+        kernels = r["kernels"]["kernels_per_step"]
+        gpu_ms = r["kernels"]["gpu_us_per_step"] / 1e3
+        host_ms = kernels * per_kernel
+        predicted = max(gpu_ms, host_ms)
+        rows.append(
+            {
+                "mode": mode,
+                "kernels": kernels,
+                "gpu_ms": gpu_ms,
+                "host_ms": host_ms,
+                "bound": "host" if host_ms >= gpu_ms else "GPU",
+                "predicted_ms": predicted,
+                "measured_ms": r["ms_per_step"],
+                "error": predicted / r["ms_per_step"] - 1,
+                "per_kernel_us": 1e3 * per_kernel,
+            }
+        )
+    return rows
+
+
+def format_host_bound_rows(rows: list[dict]) -> str:
+    """Chapter 11: host_bound_rows as a table, times in ms, the error in percent."""
+    columns = [
+        ("mode", "mode", "<"),
+        ("kernels", "kernels", ".0f"),
+        ("GPU busy ms", "gpu_ms", ".2f"),
+        ("host ms", "host_ms", ".2f"),
+        ("bound by", "bound", "<"),
+        ("predicted ms", "predicted_ms", ".2f"),
+        ("measured ms", "measured_ms", ".2f"),
+        ("error %", lambda r: 100 * r["error"], "+.0f"),
+    ]
+    return table(rows, columns)
+
+
+_ITEMSIZE = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4, "bool": 1}
+
+
+def _numel(dims: list) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
+def _tensor_bytes(dims: list, types: list) -> list[int]:
+    """The bytes of each tensor argument of a profiled op (lists of tensors flattened; scalars: none)."""
+    out = []
+    for d, t in zip(dims, types):
+        if t in _ITEMSIZE and d:
+            out.append(_numel(d) * _ITEMSIZE[t])
+    return out
+
+
+# ops that move no data of their own: views, and wrappers whose work a child op does (and is profiled)
+_WRAPPERS = {
+    "aten::t",
+    "aten::transpose",
+    "aten::view",
+    "aten::as_strided",
+    "aten::reshape",
+    "aten::expand",
+    "aten::permute",
+    "aten::detach",
+    "aten::linear",
+    "aten::relu",
+    "aten::empty",
+    "aten::empty_like",
+    "aten::empty_strided",
+    "aten::zeros",
+    "aten::zeros_like",
+    "aten::ones_like",
+    "aten::to",
+    "aten::unsqueeze",
+    "aten::squeeze",
+    "aten::result_type",
+    "aten::lift_fresh",
+    "aten::alias",
+    "aten::cross_entropy_loss",
+    "aten::log_softmax",
+    "aten::nll_loss",
+    "aten::nll_loss_nd",
+    "aten::conv2d",
+    "aten::convolution",
+    "aten::_convolution",
+    "aten::resolve_conj",
+    "aten::resolve_neg",
+    "aten::flatten",
+}
+
+
+def profile_step(step: Callable[[], object], steps: int = 3, dtype: str = "float") -> list[dict]:
+    """Chapter 11: the ATen ops of `steps` calls of `step`, profiled on this CPU (torch.profiler with
+    their input shapes), each as {"op", "dims", "types", "calls", "us"} per step, "us" its own time
+    (children excluded): the format of a recorded GPU profile, for recorded_step_rows. `dtype` names
+    the tensors' type (the CPU profile does not record it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()  # warm-up: the first call allocates and picks kernels
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            step()
+    ops = []
+    for event in prof.key_averages(group_by_input_shape=True):
+        if not event.key.startswith("aten::") or event.self_cpu_time_total <= 0:
+            continue
+        dims = [list(d) if isinstance(d, (list, tuple)) else d for d in event.input_shapes]
+        types = [dtype if isinstance(d, list) and d else "Scalar" for d in dims]
+        ops.append(
+            {
+                "op": event.key,
+                "dims": dims,
+                "types": types,
+                "calls": event.count / steps,
+                "us": event.self_cpu_time_total / steps,
+            }
+        )
+    return ops
+
+
+def recorded_op_cost(op: dict, params: int) -> tuple[str, float, float]:
+    """Chapter 11: (kind, FLOPs, bytes) of one profiled op of a recorded step (roofline_<gpu>.json
+    "ops": name, input shapes and types, time), by the roofline's rules: a matmul's 2mkn FLOPs;
+    causal attention's 2*B*H*T^2*D forward and 2.5 times that backward; fused AdamW's seven fp32
+    passes over the `params` parameters; any other op touches each input once and writes an output
+    the size of its first input (an in-place op writes that input back). Kinds: "matmul",
+    "attention", "optimizer", "memory", and "unmodelled" where the shapes do not say what the
+    kernel touches."""
+    name, dims, types = op["op"], op["dims"], op["types"]
+    size = _ITEMSIZE.get(types[0], 2) if types else 2
+    if name in ("aten::mm", "aten::addmm"):
+        (m, k), (_, n) = (dims[1], dims[2]) if name == "aten::addmm" else (dims[0], dims[1])
+        size = _ITEMSIZE[types[-3] if name == "aten::addmm" else types[0]]
+        return "matmul", 2.0 * m * k * n, float(size * (m * k + k * n + m * n))
+    if "attention" in name:
+        b, h, t, d = dims[0]
+        forward = 2.0 * b * h * t * t * d  # QK^T and PV, each 2*B*H*T^2*D, halved by the causal mask
+        moved = sum(_tensor_bytes(dims, types)) + b * h * t * d * size
+        return "attention", forward * (2.5 if "backward" in name else 1.0), float(moved)
+    if name == "aten::_fused_adamw_":
+        return "optimizer", 0.0, 7.0 * 4 * params  # read weight, grad, two moments; write weight, moments
+    if name in _WRAPPERS:
+        return "unmodelled", 0.0, 0.0  # a view, or a wrapper whose work its child op does
+    if name in ("aten::nll_loss_backward", "aten::nll_loss_forward", "aten::gather", "aten::embedding_dense_backward"):
+        return "unmodelled", 0.0, 0.0  # they touch a row per token, not the whole of their inputs
+    moved = _tensor_bytes(dims, types)
+    if not moved:
+        return "unmodelled", 0.0, 0.0
+    if name == "aten::fill_":
+        return "memory", 0.0, float(moved[0])
+    if name == "aten::copy_":
+        return "memory", 0.0, float(sum(moved))
+    if name == "aten::cat":
+        total = sum(_numel(d) * size for d in dims[0])
+        return "memory", 0.0, float(2 * total)
+    out = moved[0]  # elementwise: an output (or the in-place input written back) the size of the first input
+    if name in ("aten::sum", "aten::mean"):
+        out = 0
+    return "memory", float(_numel(dims[0])), float(sum(moved) + out)
+
+
+def _bound(compute: float, memory: float, start: float) -> str:
+    if start > max(compute, memory):
+        return "launch"
+    return "compute" if compute >= memory else "memory"
+
+
+def _shape(op: dict) -> str:
+    """A matmul as M x K x N; any other op by its first input's shape."""
+    dims = op["dims"]
+    if op["op"] in ("aten::mm", "aten::addmm"):
+        (m, k), (_, n) = (dims[1], dims[2]) if op["op"] == "aten::addmm" else (dims[0], dims[1])
+        return f"{m}x{k}x{n}"
+    return "x".join(str(d) for d in dims[0]) if dims and dims[0] else ""
+
+
+def recorded_step_rows(ops: list[dict], ceilings: Ceilings, params: int, floor: bool = False) -> list[dict]:
+    """Chapter 11: every op of a profiled step, predicted from its kind, FLOPs and bytes on that
+    machine's ceilings (a 16-bit op at the bf16 ceiling) and compared with its measured time. A GPU
+    kernel's time holds no launch (the host pays it, overlapped): leave `floor` off there; an op's
+    CPU time includes its dispatch, so `floor=True` adds the floor to every call. Unmodelled ops keep
+    their measurement and no prediction (None)."""
+    rows = []
+    for op in ops:
+        kind, flops, moved = recorded_op_cost(op, params)
+        calls = op["calls"]
+        dtype = "bf16" if any(t == "c10::BFloat16" for t in op["types"]) else "fp32"
+        compute = flops / ceilings.flops[dtype]
+        memory = moved / ceilings.bandwidth
+        start = ceilings.launch if floor else 0.0
+        predicted = None if kind == "unmodelled" else 1e6 * (max(compute, memory) + start) * calls
+        rows.append(
+            {
+                "op": op["op"].removeprefix("aten::"),
+                "shape": _shape(op),
+                "kind": kind,
+                "calls": calls,
+                "bound": "-" if predicted is None else _bound(compute, memory, start),
+                "predicted_us": predicted,
+                "measured_us": op["us"],
+                "error": None if predicted is None else predicted / op["us"] - 1,
+            }
+        )
+    return rows
+
+
+def format_step_rows(rows: list[dict], top: int = 20) -> str:
+    """Chapter 11: the `top` slowest ops of recorded_step_rows as a table, then the totals by kind."""
+    columns = [
+        ("op", "op", "<"),
+        ("shape (matmul: MxKxN)", "shape", "<"),
+        ("calls", "calls", ".0f"),
+        ("bound by", "bound", "<"),
+        ("predicted us", "predicted_us", ",.0f"),
+        ("measured us", "measured_us", ",.0f"),
+        ("error %", lambda r: None if r["error"] is None else 100 * r["error"], "+.0f"),
+    ]
+    slowest = sorted(rows, key=lambda r: -r["measured_us"])[:top]
+    totals: dict[str, dict] = {}
+    for r in rows:
+        if r["predicted_us"] is None:
+            continue
+        t = totals.setdefault(r["kind"], {"op": r["kind"], "predicted_us": 0.0, "measured_us": 0.0, "calls": 0.0})
+        t["predicted_us"] += r["predicted_us"]
+        t["measured_us"] += r["measured_us"]
+        t["calls"] += r["calls"]
+    for t in totals.values():
+        t["error"] = t["predicted_us"] / t["measured_us"] - 1
+    by_kind = [
+        ("kind", "op", "<"),
+        ("calls", "calls", ".0f"),
+        ("predicted us", "predicted_us", ",.0f"),
+        ("measured us", "measured_us", ",.0f"),
+        ("error %", lambda r: 100 * r["error"], "+.0f"),
+    ]
+    unmodelled = [r for r in rows if r["predicted_us"] is None]
+    tail = f"\nnot modelled: {len(unmodelled)} ops, {sum(r['measured_us'] for r in unmodelled):,.0f} us measured"
+    return table(slowest, columns, missing="-") + "\n\n" + table(list(totals.values()), by_kind) + tail
