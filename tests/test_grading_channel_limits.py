@@ -489,9 +489,11 @@ def hostile_notebook(name: str) -> str:
 
 
 def _watch(proc: subprocess.Popen, journal: Path, seen: dict, peak: list) -> None:
-    """Until the grader exits: when each gradebook row first appears, and its peak resident memory."""
+    """Until the grader exits: when each gradebook row first appears, and its peak resident memory.
+    The journal is read once more after the exit: the last rows may be written just before it."""
     offset = 0
-    while proc.poll() is None:
+    while True:
+        running = proc.poll() is None
         try:
             status = Path(f"/proc/{proc.pid}/status").read_text()
             peak[0] = max(peak[0], int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024)
@@ -507,6 +509,8 @@ def _watch(proc: subprocess.Popen, journal: Path, seen: dict, peak: list) -> Non
                         if entry["kind"] == "row":
                             key = (entry["submission"].split("/")[0], entry["row"]["exercise"])
                             seen.setdefault(key, time.monotonic())
+        if not running:
+            return
         time.sleep(0.1)
 
 
