@@ -344,7 +344,9 @@ def _run_in_sandbox(sub: Submission, checks: list[Check], opts: Options, emit) -
             emit,
         )
         if os.environ.get("AMP_GRADER_DEBUG"):
-            print(sub.notebook, json.dumps(faults.outcomes), file=sys.stderr)
+            # one write per line: print() writes its parts one by one, and the jobs' threads interleave them
+            sys.stderr.write(f"{sub.notebook} {json.dumps(faults.outcomes)}\n")
+            sys.stderr.flush()
     finally:
         shutil.rmtree(box, ignore_errors=True)
 
