@@ -175,3 +175,18 @@ def test_a_cpu_step_is_profiled_op_by_op_in_the_recorded_format():
     addmm = next(r for r in rows if r["op"] == "addmm" and r["shape"] == "32x64x64")
     compute, memory = 2 * 32 * 64 * 64 / 1e11, 4 * (32 * 64 + 64 * 64 + 32 * 64) / 1e10
     assert addmm["predicted_us"] == pytest.approx(1e6 * addmm["calls"] * (max(compute, memory) + 1e-6))
+
+
+@pytest.mark.skipif(not RECORDED or not load_references("ladder_gpt_*.json"), reason="no recorded GPT runs")
+def test_what_compile_removed_is_read_from_two_runs_that_agree_before_it():
+    from course_lib.chapters.ch11.roofline import recorded_ceilings
+    from course_lib.chapters.ch11.step_profile import compile_reading, recorded_step_rows
+    from course_lib.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GPT(GPTConfig()).parameters())
+    step = recorded_step_rows(RECORDED[0]["ops"]["gpt2 bf16 batch 8"], recorded_ceilings(RECORDED[0]), params)
+    c = compile_reading(step, 8, load_references("ladder_gpt_*.json")[0]["gpt"])
+    # the scaled profile must add up to the uncompiled step, or the reading of the compiled one means nothing
+    assert abs((c["kernels_ms"] + c["rest_ms"]) / c["uncompiled_ms"] - 1) < 0.1
+    assert c["compiled_ms"] > c["kernels_ms"] and 0.3 < c["removed"] < 0.8

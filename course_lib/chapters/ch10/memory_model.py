@@ -15,7 +15,8 @@ course_lib.chapters.ch10.measure measures the same steps with PyTorch's own trac
 (`MemTracker` under `FakeTensorMode`, on a CPU; fp16 with a GradScaler on real tensors);
 tests/test_memory_model.py holds every prediction within 2% of it, and within 2% of an H100's
 recorded peaks (course_lib.chapters.ch10.recorded). Not predicted: checkpointing's recompute moment
-where the vocabulary is small (the head's moment is predicted), and cuDNN's convolution workspaces.
+where the vocabulary is small (the head's moment is predicted), and what SimpleCNN's GPU
+rows hold beyond the walk (most likely cuDNN's convolution workspaces).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ the loss (`model(x, y)[1]`, so the logits are freed after the forward), it uses 
 foreach temporary) and it counts the batch, made before the step. CUDA autocast differs from the
 CPU's in one rule that matters here: a materialized softmax runs in fp32 (gpt_step_tensors,
 device="cuda"). The cuBLAS workspaces were allocated before the run's baseline, so they are not in
-its numbers; cuDNN's convolution workspaces are, and nothing here predicts them.
+its numbers. What the SimpleCNN rows hold beyond the walk is not predicted here (most likely
+cuDNN's convolution workspaces; a GPU run has to say).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ FP8 GPU. Tensorwise scaling uses one amax for a whole operand; rowwise uses one 
 one per column of `b` (the rows and columns a dot product pairs), so one outlier row costs only its
 own row's precision. Forward operands (activations, weights) use e4m3, which has more mantissa;
 gradients use e5m2, which has more range. Scales are computed from the current tensor (dynamic
-scaling): torchao dropped delayed scaling, which used an amax history, in 2025.
+scaling): torchao removed delayed scaling, which used an amax history, in its 0.10 release.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ __all__ = [
     "measured_seconds",
     "measure_ceilings",
     "Op",
+    "matmul_cost",
     "matmul_op",
     "conv_op",
     "elementwise_op",
@@ -112,12 +113,17 @@ class Op:
         return self.flops / self.bytes
 
 
+def matmul_cost(m: int, k: int, n: int, itemsize: int) -> tuple[float, float]:
+    """Chapter 11: (FLOPs, bytes) of (m x k) @ (k x n): 2mkn FLOPs (a multiply and an add per term),
+    mk + kn + mn elements moved."""
+    return 2.0 * m * k * n, float(itemsize * (m * k + k * n + m * n))
+
+
 def matmul_op(m: int, k: int, n: int, dtype: str = "fp32", device: str = "cpu") -> Op:
-    """Chapter 11: (m x k) @ (k x n): 2mkn FLOPs (a multiply and an add per term), mk + kn + mn elements moved."""
+    """Chapter 11: a (m x k) @ (k x n) matmul to run, with its matmul_cost."""
     a = torch.randn(m, k, device=device).to(DTYPES[dtype])
     b = torch.randn(k, n, device=device).to(DTYPES[dtype])
-    size = a.element_size()
-    return Op(f"matmul {m}x{k}x{n}", 2.0 * m * k * n, float(size * (m * k + k * n + m * n)), dtype, lambda: a @ b)
+    return Op(f"matmul {m}x{k}x{n}", *matmul_cost(m, k, n, a.element_size()), dtype, lambda: a @ b)
 
 
 def conv_op(batch: int, cin: int, cout: int, hw: int, kernel: int = 3, dtype: str = "fp32", device: str = "cpu") -> Op:
@@ -167,26 +173,24 @@ def bound_by(op: Op, ceilings: Ceilings) -> str:
     return max(terms, key=terms.get)
 
 
+def _compared(op: Op, ceilings: Ceilings, measured: float) -> dict:
+    predicted = predicted_seconds(op, ceilings)
+    return {
+        "op": op.name,
+        "dtype": op.dtype,
+        "intensity": op.intensity,
+        "bound": bound_by(op, ceilings),
+        "predicted": predicted,
+        "measured": measured,
+        "error": predicted / measured - 1,
+        "flops_per_s": op.flops / measured,
+    }
+
+
 def roofline_rows(ops: list[Op], ceilings: Ceilings) -> list[dict]:
     """Chapter 11: each op predicted and measured: {"op", "dtype", "intensity", "bound", "predicted",
     "measured" (seconds), "error" (predicted / measured - 1), "flops_per_s" (measured)}."""
-    rows = []
-    for op in ops:
-        seconds = measured_seconds(op.run, ceilings.device)
-        predicted = predicted_seconds(op, ceilings)
-        rows.append(
-            {
-                "op": op.name,
-                "dtype": op.dtype,
-                "intensity": op.intensity,
-                "bound": bound_by(op, ceilings),
-                "predicted": predicted,
-                "measured": seconds,
-                "error": predicted / seconds - 1,
-                "flops_per_s": op.flops / seconds,
-            }
-        )
-    return rows
+    return [_compared(op, ceilings, measured_seconds(op.run, ceilings.device)) for op in ops]
 
 
 def format_roofline_rows(rows: list[dict]) -> str:
@@ -225,27 +229,8 @@ def recorded_matmul_rows(ref: dict, ceilings: Ceilings | None = None) -> list[di
     ceilings = ceilings or recorded_ceilings(ref)
     rows = []
     for r in ref["matmul"] + ref.get("shapes", []):
-        size = 4 if r["dtype"] in ("fp32", "tf32") else 2
         m, k, n = r["m"], r["k"], r["n"]
-        op = Op(
-            f"{r.get('what', 'matmul')} {m}x{k}x{n}",
-            2.0 * m * k * n,
-            float(size * (m * k + k * n + m * n)),
-            r["dtype"],
-            lambda: None,
-        )
-        predicted = predicted_seconds(op, ceilings)
-        measured = r["ms"] * 1e-3
-        rows.append(
-            {
-                "op": op.name,
-                "dtype": r["dtype"],
-                "intensity": op.intensity,
-                "bound": bound_by(op, ceilings),
-                "predicted": predicted,
-                "measured": measured,
-                "error": predicted / measured - 1,
-                "flops_per_s": op.flops / measured,
-            }
-        )
+        cost = matmul_cost(m, k, n, 4 if r["dtype"] in ("fp32", "tf32") else 2)
+        op = Op(f"{r.get('what', 'matmul')} {m}x{k}x{n}", *cost, r["dtype"], lambda: None)
+        rows.append(_compared(op, ceilings, r["ms"] * 1e-3))
     return rows

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from course_lib.chapters.ch11.roofline import Ceilings
+from course_lib.chapters.ch11.roofline import Ceilings, matmul_cost
 from course_lib.tables import table
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "recorded_op_cost",
     "recorded_step_rows",
     "format_step_rows",
+    "compile_reading",
 ]
 
 
@@ -165,8 +166,7 @@ def recorded_op_cost(op: dict, params: int) -> tuple[str, float, float]:
     size = _ITEMSIZE.get(types[0], 2) if types else 2
     if name in ("aten::mm", "aten::addmm"):
         (m, k), (_, n) = (dims[1], dims[2]) if name == "aten::addmm" else (dims[0], dims[1])
-        size = _ITEMSIZE[types[-3] if name == "aten::addmm" else types[0]]
-        return "matmul", 2.0 * m * k * n, float(size * (m * k + k * n + m * n))
+        return "matmul", *matmul_cost(m, k, n, _ITEMSIZE[types[-3] if name == "aten::addmm" else types[0]])
     if "attention" in name:
         b, h, t, d = dims[0]
         forward = 2.0 * b * h * t * t * d  # QK^T and PV, each 2*B*H*T^2*D, halved by the causal mask
@@ -271,3 +271,31 @@ def format_step_rows(rows: list[dict], top: int = 20) -> str:
     unmodelled = [r for r in rows if r["predicted_us"] is None]
     tail = f"\nnot modelled: {len(unmodelled)} ops, {sum(r['measured_us'] for r in unmodelled):,.0f} us measured"
     return table(slowest, columns, missing="-") + "\n\n" + table(list(totals.values()), by_kind) + tail
+
+
+def compile_reading(step_rows: list[dict], profiled_batch: int, ladder: list[dict]) -> dict:
+    """Chapter 11: what `torch.compile` removed from a step, from two recorded runs: a profiled step
+    (recorded_step_rows, at `profiled_batch`) and a ladder's rungs at its own batch (chapter 09's
+    ladder_gpt: "+ SDPA attention" uncompiled, "+ fused AdamW" compiled with the profile's optimizer).
+    The profile is scaled to the ladder's batch, all but the optimizer, whose time does not grow
+    with the batch. Compiling leaves matmuls and attention to the same library kernels, so what it
+    saved came out of the rest: {"batch", "kernels_ms", "rest_ms", "uncompiled_ms", "compiled_ms",
+    "rest_left_ms", "removed"} (the share of the rest removed)."""
+    ms: dict[str, float] = {}
+    for r in step_rows:
+        ms[r["kind"]] = ms.get(r["kind"], 0.0) + r["measured_us"] / 1e3
+    batch = ladder[0]["batch"]
+    scale = batch / profiled_batch
+    kernels = scale * (ms.get("matmul", 0.0) + ms.get("attention", 0.0))
+    rest = scale * (ms.get("memory", 0.0) + ms.get("unmodelled", 0.0)) + ms.get("optimizer", 0.0)
+    rungs = {r["mode"]: r["ms_per_step"] for r in ladder}
+    compiled = rungs["+ fused AdamW"]
+    return {
+        "batch": batch,
+        "kernels_ms": kernels,
+        "rest_ms": rest,
+        "uncompiled_ms": rungs["+ SDPA attention"],
+        "compiled_ms": compiled,
+        "rest_left_ms": compiled - kernels,
+        "removed": 1 - (compiled - kernels) / rest,
+    }
