@@ -7,6 +7,7 @@ from course_lib.chapters.ch11.fp8 import amax_scales, fp8_matmul, fp8_matmul_by_
 from course_lib.chapters.ch11.roofline import (
     Ceilings,
     bound_by,
+    conv_op,
     elementwise_op,
     matmul_op,
     measure_ceilings,
@@ -44,6 +45,37 @@ def test_a_compute_bound_matmul_on_this_cpu_is_predicted_within_a_loose_bound():
     row = roofline_rows([matmul_op(1024, 256, 512)], ceilings)[0]
     assert row["bound"] == "compute"
     assert abs(row["error"]) < 0.4, row
+
+
+def test_a_convolution_runs_against_the_convolution_ceiling_where_one_was_measured():
+    conv = conv_op(2, 32, 32, 16)
+    assert conv.kind == "conv" and conv.flops == 2 * 2 * 32 * 16 * 16 * 32 * 9
+    assert conv.bytes == 4 * (2 * 32 * 256 + 32 * 32 * 9 + 2 * 32 * 256)
+    assert predicted_seconds(conv, TOY) == pytest.approx(conv.flops / 1e11 + 1e-6)  # no conv ceiling: the matmul's
+    with_conv = Ceilings(device="cpu", flops={"fp32": 1e11}, bandwidth=1e10, launch=1e-6, conv_flops={"fp32": 2e11})
+    assert predicted_seconds(conv, with_conv) == pytest.approx(conv.flops / 2e11 + 1e-6)
+    assert predicted_seconds(matmul_op(64, 64, 64), with_conv) == predicted_seconds(matmul_op(64, 64, 64), TOY)
+    nchw = conv_op(2, 32, 32, 16, channels_last=False)
+    assert nchw.name.endswith("NCHW") and conv.name.endswith("NHWC") and nchw.flops == conv.flops
+
+
+def test_a_channels_last_convolution_is_predicted_from_the_convolution_ceiling_on_this_cpu():
+    # The ceiling is a 3x3 convolution of 64 channels at 56x56; a 1x1 convolution of another shape is
+    # predicted from it. Counting kernel (not kernel^2) or forgetting the factor 2 fails by far more.
+    ceilings = measure_ceilings("cpu", dtypes=("fp32",), size=512, copy_mib=16, conv_dtypes=("fp32",))
+    row = roofline_rows([conv_op(8, 128, 128, 28, kernel=1)], ceilings)[0]
+    assert row["bound"] == "compute"
+    assert abs(row["error"]) < 0.4, row
+
+
+def test_compiling_a_memory_bound_chain_fuses_it_into_fewer_passes_on_this_cpu():
+    from course_lib.chapters.ch11.step_profile import fusion_rows
+
+    ceilings = measure_ceilings("cpu", dtypes=("fp32",), size=256, copy_mib=64)
+    eager, fused = fusion_rows(ceilings)  # the notebook's size: its compile then hits Inductor's cache
+    assert (eager["passes"], fused["passes"]) == (11, 5)
+    assert fused["measured"] < eager["measured"] / 1.3, (eager, fused)
+    assert 0.5 < fused["predicted"] / fused["measured"] < 2, fused
 
 
 RECORDED = load_references("roofline_*.json")

@@ -15,7 +15,7 @@ here is measured on the machine at hand (`measure_ceilings`), never typed in fro
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -47,16 +47,27 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 @dataclass(frozen=True)
 class Ceilings:
     """Chapter 11: one machine's measured ceilings: matmul FLOP/s per dtype, memory bandwidth in
-    bytes/s, and `launch`, the seconds of the smallest op (what every op pays to start)."""
+    bytes/s, and `launch`, the seconds of the smallest op (what every op pays to start).
+    `conv_flops`, where measured, is the convolution library's own ceiling per dtype: convolutions
+    run in kernels of their own (oneDNN on a CPU, cuDNN on a GPU), whose best rate is not the
+    matmul's."""
 
     device: str
     flops: dict[str, float]
     bandwidth: float
     launch: float
+    conv_flops: dict[str, float] = field(default_factory=dict)
 
     def ridge(self, dtype: str) -> float:
         """FLOPs per byte above which an op in `dtype` is compute-bound here."""
         return self.flops[dtype] / self.bandwidth
+
+    def peak(self, op: Op) -> float:
+        """The compute ceiling `op` runs against: the convolution ceiling for a convolution where
+        one was measured, the matmul ceiling otherwise."""
+        if op.kind == "conv" and op.dtype in self.conv_flops:
+            return self.conv_flops[op.dtype]
+        return self.flops[op.dtype]
 
 
 def measured_seconds(fn: Callable[[], object], device: str = "cpu", target_s: float = 0.01) -> float:
@@ -77,11 +88,17 @@ def measured_seconds(fn: Callable[[], object], device: str = "cpu", target_s: fl
 
 
 def measure_ceilings(
-    device: str = "cpu", dtypes: tuple[str, ...] = ("fp32", "bf16"), size: int = 1024, copy_mib: int = 64
+    device: str = "cpu",
+    dtypes: tuple[str, ...] = ("fp32", "bf16"),
+    size: int = 1024,
+    copy_mib: int = 64,
+    conv_dtypes: tuple[str, ...] = (),
 ) -> Ceilings:
     """Chapter 11: this machine's ceilings: a `size`-cubed matmul per dtype (FLOP/s) and a copy of
     `copy_mib` MiB (read plus written bytes per second), each the best of three timings, and an
-    in-place add of one element (the floor every op stands on)."""
+    in-place add of one element (the floor every op stands on). For each of `conv_dtypes`, also the
+    convolution ceiling: a 3x3 convolution, 64 channels in and out, 8 images of 56x56, in
+    channels_last."""
     flops = {}
     for name in dtypes:
         a = torch.randn(size, size, device=device).to(DTYPES[name])
@@ -94,19 +111,25 @@ def measure_ceilings(
     bandwidth = max(2 * src.numel() * 4 / measured_seconds(lambda: dst.copy_(src), device) for _ in range(3))
     one = torch.ones(1, device=device)
     launch = measured_seconds(lambda: one.add_(1), device)
-    return Ceilings(device=device, flops=flops, bandwidth=bandwidth, launch=launch)
+    conv_flops = {}
+    for name in conv_dtypes:
+        op = conv_op(8, 64, 64, 56, dtype=name, device=device)
+        conv_flops[name] = max(op.flops / measured_seconds(op.run, device) for _ in range(3))
+    return Ceilings(device=device, flops=flops, bandwidth=bandwidth, launch=launch, conv_flops=conv_flops)
 
 
 @dataclass(frozen=True)
 class Op:
     """Chapter 11: one operation as the roofline sees it: its FLOPs, the bytes it must move (each
-    input read once, the output written once), its dtype, and how to run it."""
+    input read once, the output written once), its dtype, how to run it, and its kind ("matmul",
+    "conv" or "elementwise": which compute ceiling it runs against)."""
 
     name: str
     flops: float
     bytes: float
     dtype: str
     run: Callable[[], object]
+    kind: str = "matmul"
 
     @property
     def intensity(self) -> float:
@@ -126,15 +149,28 @@ def matmul_op(m: int, k: int, n: int, dtype: str = "fp32", device: str = "cpu") 
     return Op(f"matmul {m}x{k}x{n}", *matmul_cost(m, k, n, a.element_size()), dtype, lambda: a @ b)
 
 
-def conv_op(batch: int, cin: int, cout: int, hw: int, kernel: int = 3, dtype: str = "fp32", device: str = "cpu") -> Op:
-    """Chapter 11: a stride-1, same-padded convolution: 2 * batch * cout * hw^2 * cin * kernel^2 FLOPs."""
-    x = torch.randn(batch, cin, hw, hw, device=device).to(DTYPES[dtype])
-    w = torch.randn(cout, cin, kernel, kernel, device=device).to(DTYPES[dtype])
+def conv_op(
+    batch: int,
+    cin: int,
+    cout: int,
+    hw: int,
+    kernel: int = 3,
+    dtype: str = "fp32",
+    device: str = "cpu",
+    channels_last: bool = True,
+) -> Op:
+    """Chapter 11: a stride-1, same-padded convolution: 2 * batch * cout * hw^2 * cin * kernel^2 FLOPs,
+    its input and weight in channels_last (NHWC) memory order, or in PyTorch's default NCHW with
+    `channels_last=False` (which a CPU's oneDNN copies into a layout of its own and back: bytes the
+    roofline does not count)."""
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(batch, cin, hw, hw, device=device).to(DTYPES[dtype], memory_format=layout)
+    w = torch.randn(cout, cin, kernel, kernel, device=device).to(DTYPES[dtype], memory_format=layout)
     size = x.element_size()
     flops = 2.0 * batch * cout * hw * hw * cin * kernel * kernel
     moved = size * (x.numel() + w.numel() + batch * cout * hw * hw)
-    name = f"conv {cin}->{cout} {kernel}x{kernel}, {batch}x{hw}x{hw}"
-    return Op(name, flops, float(moved), dtype, lambda: torch.nn.functional.conv2d(x, w, padding=kernel // 2))
+    name = f"conv {cin}->{cout} {kernel}x{kernel}, {batch}x{hw}x{hw} {'NHWC' if channels_last else 'NCHW'}"
+    return Op(name, flops, float(moved), dtype, lambda: torch.nn.functional.conv2d(x, w, padding=kernel // 2), "conv")
 
 
 def elementwise_op(numel: int, kind: str = "add", dtype: str = "fp32", device: str = "cpu") -> Op:
@@ -147,26 +183,31 @@ def elementwise_op(numel: int, kind: str = "add", dtype: str = "fp32", device: s
     size = x.element_size()
     if kind == "add":
         return Op(
-            f"add, {numel:,} elements", float(numel), float(3 * numel * size), dtype, lambda: torch.add(x, y, out=out)
+            f"add, {numel:,} elements",
+            float(numel),
+            float(3 * numel * size),
+            dtype,
+            lambda: torch.add(x, y, out=out),
+            "elementwise",
         )
     if kind == "relu":
 
         def relu() -> torch.Tensor:
             return torch.clamp(x, min=0, out=out)  # relu, written where an output can be given
 
-        return Op(f"relu, {numel:,} elements", float(numel), float(2 * numel * size), dtype, relu)
+        return Op(f"relu, {numel:,} elements", float(numel), float(2 * numel * size), dtype, relu, "elementwise")
     raise ValueError(f"unknown elementwise op {kind!r}; choose 'add' or 'relu'")
 
 
 def predicted_seconds(op: Op, ceilings: Ceilings) -> float:
     """Chapter 11: the roofline's time: max(compute, memory) plus the launch floor."""
-    return max(op.flops / ceilings.flops[op.dtype], op.bytes / ceilings.bandwidth) + ceilings.launch
+    return max(op.flops / ceilings.peak(op), op.bytes / ceilings.bandwidth) + ceilings.launch
 
 
 def bound_by(op: Op, ceilings: Ceilings) -> str:
     """Chapter 11: which term of predicted_seconds is the largest: "compute", "memory" or "launch"."""
     terms = {
-        "compute": op.flops / ceilings.flops[op.dtype],
+        "compute": op.flops / ceilings.peak(op),
         "memory": op.bytes / ceilings.bandwidth,
         "launch": ceilings.launch,
     }
@@ -187,10 +228,14 @@ def _compared(op: Op, ceilings: Ceilings, measured: float) -> dict:
     }
 
 
-def roofline_rows(ops: list[Op], ceilings: Ceilings) -> list[dict]:
+def roofline_rows(ops: list[Op], ceilings: Ceilings, repeats: int = 3) -> list[dict]:
     """Chapter 11: each op predicted and measured: {"op", "dtype", "intensity", "bound", "predicted",
-    "measured" (seconds), "error" (predicted / measured - 1), "flops_per_s" (measured)}."""
-    return [_compared(op, ceilings, measured_seconds(op.run, ceilings.device)) for op in ops]
+    "measured" (seconds), "error" (predicted / measured - 1), "flops_per_s" (measured)}. An op is
+    measured as the ceilings are, the fastest of `repeats` timings, so that both sides of the
+    comparison are the machine at its best, not one of them at a neighbour's busiest moment."""
+    return [
+        _compared(op, ceilings, min(measured_seconds(op.run, ceilings.device) for _ in range(repeats))) for op in ops
+    ]
 
 
 def format_roofline_rows(rows: list[dict]) -> str:

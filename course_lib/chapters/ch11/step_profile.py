@@ -4,14 +4,18 @@ A profile lists a step's ops with their input shapes and times, on this CPU (`pr
 recorded on a GPU (roofline_<gpu>.json "ops"). `recorded_op_cost` gives each op its FLOPs and bytes
 by the roofline's rules, `recorded_step_rows` predicts it on a machine's `Ceilings` and sets the
 measurement beside it. `host_bound_rows` predicts a small model's step from the kernels it launches:
-where the host is slower than the GPU, the step takes the host's time.
+where the host is slower than the GPU, the step takes the host's time. `fusion_rows` measures what
+`torch.compile` removes on the machine at hand: a chain of elementwise ops, eager and fused.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
-from course_lib.chapters.ch11.roofline import Ceilings, matmul_cost
+import torch
+
+from course_lib.chapters.ch11.roofline import Ceilings, matmul_cost, measured_seconds
 from course_lib.tables import table
 
 __all__ = [
@@ -22,6 +26,8 @@ __all__ = [
     "recorded_step_rows",
     "format_step_rows",
     "compile_reading",
+    "fusion_rows",
+    "format_fusion_rows",
 ]
 
 
@@ -299,3 +305,59 @@ def compile_reading(step_rows: list[dict], profiled_batch: int, ladder: list[dic
         "rest_left_ms": compiled - kernels,
         "removed": 1 - (compiled - kernels) / rest,
     }
+
+
+def _residual_chain(x: torch.Tensor, b: torch.Tensor, g: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """relu(x + b) * g + r, four elementwise ops: the kind of chain that sits between a
+    step's matmuls (a bias, an activation, a gate, a residual)."""
+    return torch.relu(x + b) * g + r
+
+
+def fusion_rows(ceilings: Ceilings, numel: int = 2**22) -> list[dict]:
+    """Chapter 11: `_residual_chain` over `numel` fp32 elements, eager and under `torch.compile`, each
+    predicted from the bandwidth and measured (the best of three `measured_seconds`). Eager runs four
+    ops, each reading its inputs and writing its output: 3 + 2 + 3 + 3 = 11 passes over `numel`
+    floats, and four starts. Compiled, Inductor fuses the chain into one kernel: the four inputs read
+    and the output written once, 5 passes, one start. Rows: {"mode", "passes", "predicted",
+    "measured" (seconds), "error", "first_call_s" (the first call: for the compiled one, compiling)}.
+    Compiling for a CPU needs a C++ compiler; without one the first call raises."""
+    tensors = [torch.randn(numel, device=ceilings.device) for _ in range(4)]
+    modes = [
+        ("eager: 4 ops", _residual_chain, 11, 4),
+        ("torch.compile: 1 fused kernel", torch.compile(_residual_chain), 5, 1),
+    ]
+    rows = []
+    for mode, fn, passes, starts in modes:
+        start = time.perf_counter()
+        fn(*tensors)  # compiles the compiled one
+        first = time.perf_counter() - start
+        # a warm-up round: eager's intermediates are fresh 16 MiB tensors, and until the C library's
+        # allocator keeps such blocks instead of returning them, each one costs the operating
+        # system's page faults, a cost of the process's first seconds that no later step pays
+        measured_seconds(lambda: fn(*tensors), ceilings.device)
+        measured = min(measured_seconds(lambda: fn(*tensors), ceilings.device) for _ in range(3))
+        predicted = passes * numel * 4 / ceilings.bandwidth + starts * ceilings.launch
+        rows.append(
+            {
+                "mode": mode,
+                "passes": passes,
+                "predicted": predicted,
+                "measured": measured,
+                "error": predicted / measured - 1,
+                "first_call_s": first,
+            }
+        )
+    return rows
+
+
+def format_fusion_rows(rows: list[dict]) -> str:
+    """Chapter 11: fusion_rows as a table, times in milliseconds."""
+    columns = [
+        ("", "mode", "<"),
+        ("passes", "passes", "d"),
+        ("predicted ms", lambda r: 1e3 * r["predicted"], ".2f"),
+        ("measured ms", lambda r: 1e3 * r["measured"], ".2f"),
+        ("error %", lambda r: 100 * r["error"], "+.0f"),
+        ("first call s", "first_call_s", ".1f"),
+    ]
+    return table(rows, columns)
