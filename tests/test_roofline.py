@@ -222,3 +222,21 @@ def test_what_compile_removed_is_read_from_two_runs_that_agree_before_it():
     # the scaled profile must add up to the uncompiled step, or the reading of the compiled one means nothing
     assert abs((c["kernels_ms"] + c["rest_ms"]) / c["uncompiled_ms"] - 1) < 0.1
     assert c["compiled_ms"] > c["kernels_ms"] and 0.3 < c["removed"] < 0.8
+
+
+def test_cuda_graph_rows_say_what_they_need_where_there_is_no_gpu():
+    from course_lib.chapters.ch11.step_profile import cuda_graph_rows
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the next test measures it")
+    with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA GPU"):
+        cuda_graph_rows()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (GPU tier)")
+def test_a_captured_small_cnn_step_replays_faster_than_the_host_launches_it():
+    from course_lib.chapters.ch11.step_profile import cuda_graph_rows
+
+    rows = {r["mode"]: r for r in cuda_graph_rows(batch=64, iters=20)}
+    assert set(rows) == {"fp32", "bf16"}
+    assert all(r["graph_ms"] > 0 and r["speedup"] > 1.0 for r in rows.values()), rows  # a host-bound step

@@ -708,6 +708,10 @@ def run_roofline(args) -> tuple[str, dict]:
     for label, step in steps.items():
         ops[label] = op_table(profile_trace(step, steps=3, shapes=True), 3, top=80)
     out["ops"] = ops
+    if CUDA:  # the small CNN's step, eager and replayed as one CUDA graph (chapter 11, section 6)
+        from course_lib.chapters.ch11.step_profile import cuda_graph_rows
+
+        out["cuda_graphs"] = cuda_graph_rows()
     out["tf32_note"] = (
         "matmul rows: torch.backends.cuda.matmul.allow_tf32 as labelled; cuDNN keeps its default (TF32 on)"
     )
@@ -725,6 +729,8 @@ def run_roofline(args) -> tuple[str, dict]:
             f"({r.get('tensorwise_with_cast_ms', float('nan')):.3f} with casts), "
             f"rowwise {r.get('rowwise_ms', float('nan')):.3f}"
         )
+    for r in out.get("cuda_graphs", []):
+        lines.append(f"cuda graph {r['mode']}: eager {r['eager_ms']:.3f} ms, graph {r['graph_ms']:.3f} ms")
     return "\n".join(lines), out
 
 

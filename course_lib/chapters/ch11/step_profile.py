@@ -5,7 +5,8 @@ recorded on a GPU (roofline_<gpu>.json "ops"). `recorded_op_cost` gives each op 
 by the roofline's rules, `recorded_step_rows` predicts it on a machine's `Ceilings` and sets the
 measurement beside it. `host_bound_rows` predicts a small model's step from the kernels it launches:
 where the host is slower than the GPU, the step takes the host's time. `fusion_rows` measures what
-`torch.compile` removes on the machine at hand: a chain of elementwise ops, eager and fused.
+`torch.compile` removes on the machine at hand: a chain of elementwise ops, eager and fused;
+`cuda_graph_rows` what a CUDA graph removes from the small CNN's host-bound step (a GPU only).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import time
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from course_lib.chapters.ch11.roofline import Ceilings, matmul_cost, measured_seconds
 from course_lib.tables import table
+from course_lib.timing import time_fn
 
 __all__ = [
     "host_bound_rows",
@@ -28,6 +31,8 @@ __all__ = [
     "compile_reading",
     "fusion_rows",
     "format_fusion_rows",
+    "cuda_graph_rows",
+    "format_cuda_graph_rows",
 ]
 
 
@@ -359,5 +364,70 @@ def format_fusion_rows(rows: list[dict]) -> str:
         ("measured ms", lambda r: 1e3 * r["measured"], ".2f"),
         ("error %", lambda r: 100 * r["error"], "+.0f"),
         ("first call s", "first_call_s", ".1f"),
+    ]
+    return table(rows, columns)
+
+
+def cuda_graph_rows(batch: int = 256, iters: int = 50) -> list[dict]:
+    """Chapter 11: the course's small CNN (chapter 00; SGD, Fashion-MNIST-sized inputs) trained one
+    step at a time on a CUDA GPU, eager and replayed as one captured CUDA graph, in fp32 and under
+    bf16 autocast: {"mode", "eager_ms", "graph_ms", "speedup"} (medians of `iters` CUDA-event-timed
+    steps). Eager, the host launches every kernel of the step; the graph launches the whole recorded
+    step at once, so what it removes is the host's cost per kernel (section 5).
+
+    The capture follows PyTorch's recipe for a whole training step ("CUDA Graphs", whole-network
+    capture): warm-up steps on a side stream, gradients set to None so that backward allocates them
+    inside the graph's memory pool, then forward, backward and optimizer step captured together.
+    Autocast runs with `cache_enabled=False`, as the CUDA-graphs notes require: a cast cached outside
+    the capture would be a tensor the graph does not own."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "CUDA graphs need a CUDA GPU; on this machine read the recorded rows instead "
+            "(tools/gpu_study.py roofline records them)"
+        )
+    from course_lib.models import SimpleCNN
+
+    rows = []
+    for mode, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        torch.manual_seed(0)
+        model = SimpleCNN().cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x = torch.randn(batch, 1, 28, 28, device="cuda")
+        y = torch.randint(0, 10, (batch,), device="cuda")
+
+        def step() -> None:
+            with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None, cache_enabled=False):
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+
+        def eager() -> None:
+            opt.zero_grad(set_to_none=True)
+            step()
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture: lazy initialisations happen here
+            for _ in range(3):
+                eager()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        opt.zero_grad(set_to_none=True)
+        with torch.cuda.graph(graph):
+            step()
+        graph_ms = time_fn(graph.replay, warmup=5, iters=iters, device="cuda").median_ms
+        eager_ms = time_fn(eager, warmup=5, iters=iters, device="cuda").median_ms
+        rows.append({"mode": mode, "eager_ms": eager_ms, "graph_ms": graph_ms, "speedup": eager_ms / graph_ms})
+        del graph
+    return rows
+
+
+def format_cuda_graph_rows(rows: list[dict]) -> str:
+    """Chapter 11: cuda_graph_rows as a table."""
+    columns = [
+        ("", "mode", "<"),
+        ("eager ms/step", "eager_ms", ".3f"),
+        ("CUDA graph ms/step", "graph_ms", ".3f"),
+        ("speed-up", "speedup", ".2f"),
     ]
     return table(rows, columns)
