@@ -17,7 +17,7 @@ LAB_ARGS ?=
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: help venv lab update test test-gpu test-floor bench exercises check-exercises stamp grade clean
+.PHONY: help venv lab update test test-gpu test-floor bench site exercises check-exercises stamp grade clean
 
 help:
 	@echo "make lab        open JupyterLab on the course (creates .venv on first use)"
@@ -26,6 +26,7 @@ help:
 	@echo "make test-gpu   the same suite with the current python3 and the GPU cells forced on"
 	@echo "make test-floor library tests and chapters on the LOWEST torch/torchvision pyproject.toml allows (.venv-floor)"
 	@echo "make bench      FP32 / TF32 / AMP table for this machine (python -m course_lib.chapters.ch00.bench)"
+	@echo "make site       the published edition: every chapter and exercise as HTML with its outputs, in build/site/"
 	@echo "make exercises  regenerate exercises/ from solutions/"
 	@echo "make stamp      write the Colab badge and setup cell (from pyproject.toml) into every notebook"
 	@echo "make grade SUBMISSIONS=dir [GRADEBOOK=dir] [JOBS=n]   grade a folder of submissions (resumes)"
@@ -35,7 +36,7 @@ help:
 $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q -e ".[lab,test]"
+	$(VPY) -m pip install -q -e ".[lab,test,site]"
 	@$(VPY) -c "import torch; print('installed torch', torch.__version__)"
 	@# torchvision is needed only for the ResNet models; a mismatched pair must not stop the course.
 	@$(VPY) -c "import torchvision; print('installed torchvision', torchvision.__version__)" 2>/dev/null || \
@@ -110,6 +111,15 @@ test-floor: $(FLOOR_STAMP)
 
 bench: $(STAMP)
 	$(VPY) -m course_lib.chapters.ch00.bench
+
+# The published edition (README, "Reading the course"): build/site/index.html, offline. It reuses the
+# outputs `make test` saved in build/executed/ and executes only the notebooks that run has not
+# (SITE_ARGS=--reuse-only refuses to: CI checks that nothing runs twice). Then every internal
+# link, anchor and image is checked.
+SITE_ARGS ?=
+site: $(STAMP)
+	$(VPY) -m course_lib.tooling.site build $(SITE_ARGS)
+	$(VPY) -m course_lib.tooling.site check
 
 exercises: $(STAMP)
 	$(VPY) -m course_lib.tooling.exercises

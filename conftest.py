@@ -16,6 +16,8 @@ code cells all ran to their end here (course_lib/tooling/nbtools.py; refresh the
 Git after Run All: in the CPU tier, a notebook that ran to its end must read as unchanged through
 the git filter `make lab` configures (course_lib/tooling/notebook_filter.py): the outputs its
 compared cells printed here, stored as the filter stores them, must be its committed bytes.
+The published edition: each notebook that ran to its end is saved with its outputs to
+build/executed/ (course_lib/tooling/site.py), so `make site` publishes this run without a second one.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ _cell_runs: dict = {}  # notebook path -> nbtools.NotebookRun: which code cells 
 _silence: dict = {}  # what the printing check found, for the terminal summary
 _checked_outputs: dict = {}  # notebook path -> {cell index: what an nbval-check-output cell printed here}
 _modified_after_run: list[str] = []  # notebooks that git would list as changed after a learner's Run All
+_executed: dict = {}  # notebook path -> (the notebook, {cell index: its outputs here}), for `make site`
 
 
 def _cuda_available() -> bool:
@@ -153,6 +156,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if (not GPU_TIER and report.when == "call" and (report.passed or tagged_skip)
             and getattr(item, "cell", None) is not None and hasattr(item.parent, "nb")):
         _record_cell_run(item, report)
+    if (report.when == "call" and (report.passed or tagged_skip) and getattr(item, "cell", None) is not None
+            and hasattr(item.parent, "nb")):
+        nb = item.parent.nb
+        index = next(i for i, c in enumerate(nb.cells) if c is item.cell)
+        outputs = [] if report.skipped else list(item.test_outputs or [])
+        _executed.setdefault(item.nodeid.split("::")[0], (nb, {}))[1][index] = outputs
 
 
 def _judge_printing_cells(config: pytest.Config) -> bool:
@@ -172,7 +181,18 @@ def _judge_printing_cells(config: pytest.Config) -> bool:
     return bool(silent)
 
 
+def _save_executed_notebooks() -> None:
+    """Hand each notebook that ran to its end to the published edition (build/executed/)."""
+    from course_lib.tooling.site import save_executed
+
+    command = "make test-gpu (nbval)" if GPU_TIER else "make test (nbval)"
+    for path, (nb, outputs) in sorted(_executed.items()):
+        save_executed(path, nb, outputs, command)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _executed:
+        _save_executed_notebooks()
     over = [p for p, rss in _peak_rss.items() if rss > NOTEBOOK_MEMORY_BUDGET]
     went_silent = bool(_cell_runs) and _judge_printing_cells(session.config)
     _modified_after_run.extend(p for p, run in sorted(_cell_runs.items()) if run.complete
