@@ -88,7 +88,7 @@ def test_every_page_of_the_edition_loads_its_images_formulas_and_outputs(tmp_pat
             errors = [e["message"][:160] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
             problems += [f"{rel}: image not loaded: {src}" for src in seen["broken"]]
             problems += [f"{rel}: console error: {msg}" for msg in errors]
-            if seen["rawMath"]:
+            if seen["rawMath"] and not rel.name.endswith(".py.html"):  # a source file may say `$$` itself
                 problems.append(f"{rel}: a formula left untypeset ($$ in the text)")
             for link in seen["links"]:
                 target = Path(link.split("#")[0].removeprefix("file://"))

@@ -278,7 +278,7 @@ def _static_rel(page_rel: str) -> str:
     return "../" * depth + "_static/"
 
 
-def _provenance_html(prov: dict, runs: list[dict]) -> str:
+def _provenance_html(prov: dict, runs: list[dict], gpu_cells: int) -> str:
     lines = [
         "<details class='amp-provenance' open><summary>What produced this page</summary><ul>",
         f"<li>Outputs: run by <code>{html.escape(prov.get('command', '?'))}</code> "
@@ -295,10 +295,13 @@ def _provenance_html(prov: dict, runs: list[dict]) -> str:
             command = f"<br><code>{html.escape(r['command'])}</code>" if r.get("command") else ""
             lines.append(f"<li><code>{html.escape(r['file'])}</code>: {what}{command}</li>")
         lines.append("</ul></li>")
-    lines.append(
-        "<li>Cells tagged <code>gpu</code> ran on this machine's CPU path: each says so in one line, "
-        "and the recorded GPU result is the table the cell before it prints.</li>"
-    )
+    if gpu_cells and "no GPU used" in prov.get("machine", "no GPU used"):
+        lines.append(
+            f"<li>The {gpu_cells} cell(s) tagged <code>gpu</code> took their CPU path here: each says so in one "
+            "line and names where its recorded GPU result is shown.</li>"
+        )
+    elif gpu_cells:
+        lines.append(f"<li>The {gpu_cells} cell(s) tagged <code>gpu</code> ran on the GPU named above.</li>")
     lines.append("</ul></details>")
     return "\n".join(lines)
 
@@ -327,7 +330,8 @@ def _notebook_page(nb: nbformat.NotebookNode, rel: str, pages: _Pages, root: Pat
     )
     resources = {
         "metadata": {"name": title},
-        "amp_header": _nav_html(rel, title) + _provenance_html(prov, _recorded_runs(nb, root)),
+        "amp_header": _nav_html(rel, title)
+        + _provenance_html(prov, _recorded_runs(nb, root), sum("gpu" in c.metadata.get("tags", []) for c in nb.cells)),
         "amp_css": f"{static}site.css",
     }
     body, _ = exporter.from_notebook_node(page_notebook(nb), resources=resources)
