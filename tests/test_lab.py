@@ -114,3 +114,16 @@ def test_the_labs_contents_manager_opens_a_notebook_as_the_kernel_describes_itse
 
     assert asyncio.run(open_and_save()) == platform.python_version()
     assert (tmp_path / "01.ipynb").read_bytes() == before
+
+
+def test_the_labs_file_browser_does_not_list_the_copies_in_build(tmp_path):
+    import asyncio
+
+    pytest.importorskip("jupyter_server", reason="JupyterLab is not installed here (make lab installs it)")
+    from course_lib.tooling.lab import CourseContentsManager
+
+    (tmp_path / "build" / "executed" / "notebooks").mkdir(parents=True)
+    (tmp_path / "notebooks").mkdir()
+    manager = CourseContentsManager(root_dir=str(tmp_path))
+    listing = asyncio.run(manager.get("", content=True))
+    assert [item["name"] for item in listing["content"]] == ["notebooks"]

@@ -164,10 +164,13 @@ def refresh_git(model: dict, os_path: str, **kwargs: Any) -> None:
 
 class CourseContentsManager(AsyncLargeFileManager):
     """JupyterLab's own contents manager, with the Python version added on reading and removed on
-    saving, widget views that could not reopen dropped, and git told about the save."""
+    saving, widget views that could not reopen dropped, and git told about the save. The file
+    browser does not list build/: it holds copies of the notebooks as `make test` ran them and the
+    published edition (`make site`), which a learner would only mistake for the chapters."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.hide_globs = [*self.hide_globs, "build"]
         self.register_pre_save_hook(strip_version)
         self.register_pre_save_hook(keep_widgets_that_reopen)
         self.register_post_save_hook(refresh_git)
