@@ -71,6 +71,17 @@ def chapter_outputs() -> dict[int, list]:
     }
 
 
+def ran_by_make_test(course: Path, tmp_path: Path, *notebooks: str) -> tuple[Path, Path]:
+    """Save `notebooks` as make test's run would (the chapter with chapter_outputs); returns
+    (the executed folder, where the edition goes)."""
+    executed = tmp_path / "executed"
+    for rel in notebooks:
+        nb = nbformat.read(course / rel, as_version=4)
+        outputs = chapter_outputs() if rel.startswith("notebooks") else {1: []}
+        site.save_executed(rel, nb, outputs, "make test (nbval)", executed)
+    return executed, tmp_path / "site"
+
+
 def test_a_complete_run_is_saved_with_its_provenance_and_an_incomplete_one_is_not(course, tmp_path):
     executed = tmp_path / "executed"
     nb = nbformat.read(course / "notebooks" / "00_a.ipynb", as_version=4)
@@ -88,11 +99,7 @@ def test_a_complete_run_is_saved_with_its_provenance_and_an_incomplete_one_is_no
 
 
 def test_the_edition_keeps_outputs_links_formulas_and_says_what_made_each_page(course, tmp_path):
-    executed, out = tmp_path / "executed", tmp_path / "site"
-    nb = nbformat.read(course / "notebooks" / "00_a.ipynb", as_version=4)
-    site.save_executed("notebooks/00_a.ipynb", nb, chapter_outputs(), "make test (nbval)", executed)
-    ex = nbformat.read(course / "exercises" / "00_a_exercises.ipynb", as_version=4)
-    site.save_executed("exercises/00_a_exercises.ipynb", ex, {1: []}, "make test (nbval)", executed)
+    executed, out = ran_by_make_test(course, tmp_path, "notebooks/00_a.ipynb", "exercises/00_a_exercises.ipynb")
     result = site.build(out, root=course, executed=executed, log=lambda m: None, reuse_only=True)
     assert result["executed_here"] == []
     assert site.check(out) == []
@@ -114,11 +121,7 @@ def test_the_edition_keeps_outputs_links_formulas_and_says_what_made_each_page(c
 
 
 def test_the_link_check_names_a_missing_page_anchor_and_image(course, tmp_path):
-    executed, out = tmp_path / "executed", tmp_path / "site"
-    nb = nbformat.read(course / "notebooks" / "00_a.ipynb", as_version=4)
-    site.save_executed("notebooks/00_a.ipynb", nb, chapter_outputs(), "make test (nbval)", executed)
-    ex = nbformat.read(course / "exercises" / "00_a_exercises.ipynb", as_version=4)
-    site.save_executed("exercises/00_a_exercises.ipynb", ex, {1: []}, "make test (nbval)", executed)
+    executed, out = ran_by_make_test(course, tmp_path, "notebooks/00_a.ipynb", "exercises/00_a_exercises.ipynb")
     site.build(out, root=course, executed=executed, log=lambda m: None)
     (out / "exercises" / "00_a_exercises.html").unlink()
     (out / "_static" / "colab-badge.svg").unlink()
@@ -130,9 +133,7 @@ def test_the_link_check_names_a_missing_page_anchor_and_image(course, tmp_path):
 
 
 def test_a_notebook_make_test_did_not_run_is_executed_here_or_refused(course, tmp_path):
-    executed, out = tmp_path / "executed", tmp_path / "site"
-    nb = nbformat.read(course / "notebooks" / "00_a.ipynb", as_version=4)
-    site.save_executed("notebooks/00_a.ipynb", nb, chapter_outputs(), "make test (nbval)", executed)
+    executed, out = ran_by_make_test(course, tmp_path, "notebooks/00_a.ipynb")
     with pytest.raises(site.NotExecuted, match="exercises/00_a_exercises.ipynb: `make test` has not run it"):
         site.build(out, root=course, executed=executed, log=lambda m: None, reuse_only=True)
     result = site.build(out, root=course, executed=executed, log=lambda m: None)
@@ -156,8 +157,6 @@ def test_formulas_become_mathml_and_code_and_dollars_stay():
 def test_a_notebook_that_fails_while_executed_for_the_edition_says_which_and_why(course, tmp_path):
     broken = notebook(("md", "# Broken"), ("code", "raise ValueError('the data folder is missing')"))
     nbformat.write(broken, course / "exercises" / "00_a_exercises.ipynb")
-    executed = tmp_path / "executed"
-    nb = nbformat.read(course / "notebooks" / "00_a.ipynb", as_version=4)
-    site.save_executed("notebooks/00_a.ipynb", nb, chapter_outputs(), "make test (nbval)", executed)
+    executed, out = ran_by_make_test(course, tmp_path, "notebooks/00_a.ipynb")
     with pytest.raises(site.NotExecuted, match="00_a_exercises.ipynb: a cell failed.*the data folder is missing"):
-        site.build(tmp_path / "site", root=course, executed=executed, log=lambda m: None)
+        site.build(out, root=course, executed=executed, log=lambda m: None)

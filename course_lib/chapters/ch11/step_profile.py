@@ -378,8 +378,8 @@ def cuda_graph_rows(batch: int = 256, iters: int = 50) -> list[dict]:
     The capture follows PyTorch's recipe for a whole training step ("CUDA Graphs", whole-network
     capture): warm-up steps on a side stream, gradients set to None so that backward allocates them
     inside the graph's memory pool, then forward, backward and optimizer step captured together.
-    Autocast runs with `cache_enabled=False`, as the CUDA-graphs notes require: a cast cached outside
-    the capture would be a tensor the graph does not own."""
+    Autocast runs with `cache_enabled=False`: `torch.cuda.make_graphed_callables`, PyTorch's own way
+    of capturing, refuses autocast's cache of casted weights (torch/cuda/graphs.py), and so does this."""
     if not torch.cuda.is_available():
         raise RuntimeError(
             "CUDA graphs need a CUDA GPU; on this machine read the recorded rows instead "
@@ -396,7 +396,7 @@ def cuda_graph_rows(batch: int = 256, iters: int = 50) -> list[dict]:
         y = torch.randint(0, 10, (batch,), device="cuda")
 
         def step() -> None:
-            with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None, cache_enabled=False):
+            with torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=dtype is not None, cache_enabled=False):
                 loss = F.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
