@@ -81,7 +81,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    os.environ.setdefault("MPLBACKEND", "Agg")  # kernels inherit it: no windows, no GUI backends
+    # Kernels inherit it: the inline backend a learner's JupyterLab uses, no windows, no GUI. Each
+    # plt.show() renders its figure into the cell's outputs, as Run All does: a figure that fails to
+    # draw fails its cell, and the published edition (build/executed/) gets the plots.
+    os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     os.environ.setdefault("COURSE_OFFLINE", "1")  # notebooks' kernels: the data loader never downloads
     if not GPU_TIER:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU tier runs what a learner without a GPU runs

@@ -66,7 +66,10 @@ def chapter_outputs() -> dict[int, list]:
     return {
         2: [out("stream", name="stdout", text="2\n")],
         4: [out("display_data", data={"image/png": PNG, "text/plain": "<Figure>"})],
-        5: [out("display_data", data={**widget, "text/html": "<table><tr><td>0.1</td></tr></table>"})],
+        5: [  # chapter 01's explorer (an HTML table) and chapter 10's (a picture) beside their widgets
+            out("display_data", data={**widget, "text/html": "<table><tr><td>0.1</td></tr></table>"}),
+            out("display_data", data={**widget, "image/png": PNG, "text/plain": "MemoryExplorer({})"}),
+        ],
         6: [out("display_data", data={**widget, "text/plain": "train fp32:   0%|          | 0/50 [00:00<?, ?step/s]"})],
     }
 
@@ -104,13 +107,14 @@ def test_the_edition_keeps_outputs_links_formulas_and_says_what_made_each_page(c
     assert result["executed_here"] == []
     assert site.check(out) == []
     page = (out / "notebooks" / "00_a.html").read_text()
-    assert "data:image/png;base64," in page and ">2\n<" in page.replace("</pre>", "<")  # outputs kept
+    assert 'src="data:image/png;base64,' in page and ">2\n<" in page.replace("</pre>", "<")  # outputs kept
     assert "<math " in page and "<mfrac>" in page and "$HOME" in page and "\\frac" not in page
     assert 'href="../course_lib/train.py.html"' in page and 'href="../exercises/00_a_exercises.html"' in page
     assert 'href="https://github.com/someone/amp-course/blob/v1/solutions/00_a_exercises.ipynb"' in page
     assert "_static/colab-badge.svg" in page and "colab.research.google.com/assets" not in page
     assert "make test (nbval)" in page and "bench_h100.json" in page and "NVIDIA H100" in page  # provenance
-    assert page.count("A live widget in JupyterLab and Colab") == 1 and "<td>0.1</td>" in page
+    assert page.count("A live widget in JupyterLab and Colab") == 2 and "<td>0.1</td>" in page
+    assert page.count("<img") == 3 and "MemoryExplorer({})" not in page  # badge, plot, picture (not its text)
     assert "A progress bar" in page and "0/50" not in page  # not the bar's first, misleading state
     assert "widget-view+json" not in page and "<script src" not in page  # nothing to fetch, no script
     assert not (out / "solutions").exists()

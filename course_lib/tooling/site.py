@@ -218,6 +218,7 @@ def page_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     for cell in page.cells:
         if cell.cell_type == "markdown":
             cell.source = mathml(cell.source)
+        outputs = []
         for out in cell.get("outputs", []):
             data = out.get("data", {})
             if WIDGET_VIEW in data:
@@ -225,11 +226,11 @@ def page_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
                 if PROGRESS_BAR.match(data.get("text/plain", "")):
                     data.clear()
                     data["text/html"] = PROGRESS_NOTE
-                elif "text/html" in data:
-                    data["text/html"] = LIVE_NOTE + data["text/html"]
-                else:
-                    text = html.escape(data.get("text/plain", ""))
-                    data["text/html"] = LIVE_NOTE + f"<pre>{text}</pre>"
+                else:  # the note, then the widget's own static picture (HTML, an image, or its text)
+                    outputs.append(nbformat.v4.new_output("display_data", data={"text/html": LIVE_NOTE}))
+            outputs.append(out)
+        if cell.cell_type == "code":
+            cell.outputs = outputs
     page.metadata.pop("widgets", None)
     return page
 

@@ -11,6 +11,7 @@ where the host is slower than the GPU, the step takes the host's time. `fusion_r
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
@@ -318,6 +319,28 @@ def _residual_chain(x: torch.Tensor, b: torch.Tensor, g: torch.Tensor, r: torch.
     return torch.relu(x + b) * g + r
 
 
+def _fusion_row(
+    ceilings: Ceilings, numel: int, tensors: list, mode: str, fn: Callable, passes: int, starts: int
+) -> dict:
+    start = time.perf_counter()
+    fn(*tensors)  # compiles the compiled one
+    first = time.perf_counter() - start
+    # a warm-up round: eager's intermediates are fresh 16 MiB tensors, and until the C library's
+    # allocator keeps such blocks instead of returning them, each one costs the operating
+    # system's page faults, a cost of the process's first seconds that no later step pays
+    measured_seconds(lambda: fn(*tensors), ceilings.device)
+    measured = min(measured_seconds(lambda: fn(*tensors), ceilings.device) for _ in range(3))
+    predicted = passes * numel * 4 / ceilings.bandwidth + starts * ceilings.launch
+    return {
+        "mode": mode,
+        "passes": passes,
+        "predicted": predicted,
+        "measured": measured,
+        "error": predicted / measured - 1,
+        "first_call_s": first,
+    }
+
+
 def fusion_rows(ceilings: Ceilings, numel: int = 2**22) -> list[dict]:
     """Chapter 11: `_residual_chain` over `numel` fp32 elements, eager and under `torch.compile`, each
     predicted from the bandwidth and measured (the best of three `measured_seconds`). Eager runs four
@@ -331,27 +354,15 @@ def fusion_rows(ceilings: Ceilings, numel: int = 2**22) -> list[dict]:
         ("eager: 4 ops", _residual_chain, 11, 4),
         ("torch.compile: 1 fused kernel", torch.compile(_residual_chain), 5, 1),
     ]
-    rows = []
-    for mode, fn, passes, starts in modes:
-        start = time.perf_counter()
-        fn(*tensors)  # compiles the compiled one
-        first = time.perf_counter() - start
-        # a warm-up round: eager's intermediates are fresh 16 MiB tensors, and until the C library's
-        # allocator keeps such blocks instead of returning them, each one costs the operating
-        # system's page faults, a cost of the process's first seconds that no later step pays
-        measured_seconds(lambda: fn(*tensors), ceilings.device)
-        measured = min(measured_seconds(lambda: fn(*tensors), ceilings.device) for _ in range(3))
-        predicted = passes * numel * 4 / ceilings.bandwidth + starts * ceilings.launch
-        rows.append(
-            {
-                "mode": mode,
-                "passes": passes,
-                "predicted": predicted,
-                "measured": measured,
-                "error": predicted / measured - 1,
-                "first_call_s": first,
-            }
-        )
+    # Compiling imports torch.utils.cpp_extension, which warns "No CUDA runtime is found" where a
+    # CUDA build of torch runs without a GPU: true, and beside the point for a CPU kernel.
+    quiet = logging.getLogger("torch.utils.cpp_extension")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        rows = [_fusion_row(ceilings, numel, tensors, *mode) for mode in modes]
+    finally:
+        quiet.setLevel(level)
     return rows
 
 
