@@ -128,6 +128,8 @@ def test_the_explorer_shows_a_picture_everywhere_and_redraws_when_a_control_move
     explorer = MemoryExplorer(SMALL, batch=2, seq=128)
     bundle = explorer._repr_mimebundle_()
     assert bundle["image/png"] and WIDGET_VIEW in bundle  # the live widget, and a picture for readers without one
+    first = explorer.widget().children[-1].outputs  # the first picture is in the widget's own state,
+    assert [o["output_type"] for o in first] == ["display_data"] and "image/png" in first[0]["data"]  # not shown
     batch_slider = explorer.widget().children[0].children[0]
     batch_slider.value = 4
     assert explorer.state["batch"] == 4
