@@ -186,9 +186,12 @@ def _judge_printing_cells(config: pytest.Config) -> bool:
 
 def _save_executed_notebooks() -> None:
     """Hand each notebook that ran to its end to the published edition (build/executed/)."""
+    import sys
+
     from course_lib.tooling.site import save_executed
 
-    command = "make test-gpu (nbval)" if GPU_TIER else "make test (nbval)"
+    target = "make test-gpu" if GPU_TIER else "make test-floor" if ".venv-floor" in sys.prefix else "make test"
+    command = f"{target} (nbval)"
     for path, (nb, outputs) in sorted(_executed.items()):
         save_executed(path, nb, outputs, command)
 
