@@ -89,6 +89,8 @@ def test_show_traces_lists_sizes_and_links_the_files_relative_to_the_chapters(tm
         folder.rmdir()
     page = shown[0]["text/html"]
     assert '<a href="../runs/test_show_traces/a.pt.trace.json" download>' in page and "runs/test_show_traces/" in page
+    P.show_traces(tmp_path)  # a folder outside the course: named by its full path
+    assert f"<p>In <code>{tmp_path}/</code>" in shown[-1]["text/html"]
 
 
 def test_the_profilers_banners_are_dropped_and_other_stderr_is_kept(capfd):

@@ -117,7 +117,9 @@ def show_traces(folder: str | os.PathLike, pattern: str = "*.json") -> list[Path
         f" ({p.stat().st_size / 1024:.0f} KiB)</li>"
         for p in paths
     )
-    where = html.escape(os.path.relpath(folder, COURSE_ROOT) if Path(folder).is_relative_to(COURSE_ROOT) else folder)
+    where = html.escape(
+        os.path.relpath(folder, COURSE_ROOT) if Path(folder).is_relative_to(COURSE_ROOT) else str(folder)
+    )
     display(
         {
             "text/plain": plain,

@@ -90,7 +90,7 @@ class MemoryExplorer:
     def _build(self):
         import ipywidgets as W
         import matplotlib.pyplot as plt
-        from IPython.display import Image, display
+        from IPython.display import display
 
         controls = {
             "batch": W.IntSlider(self.state["batch"], 1, 32, description="batch"),
@@ -113,5 +113,6 @@ class MemoryExplorer:
         # The first picture goes into the widget's state directly. Drawn with display() here, before
         # any front end shows the widget, it would also land in the cell's own outputs wherever no
         # widget manager routes it (nbval, nbconvert, a static viewer): the same chart twice.
-        out.append_display_data(Image(data=base64.b64decode(self._png())))
+        first = {"image/png": self._png(), "text/plain": f"MemoryExplorer({self.state})"}
+        out.outputs = ({"output_type": "display_data", "data": first, "metadata": {}},)
         return W.VBox([W.HBox(list(controls.values())[:2]), W.HBox(list(controls.values())[2:]), out])
