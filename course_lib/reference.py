@@ -65,9 +65,9 @@ def record(command: str, text: str, json_path: str | Path | None, **payload: obj
     return prov
 
 
-def load_references(pattern: str = "*.json") -> list[dict]:
-    """The recorded results matching `pattern` in data/reference/, each with its file name."""
-    return [{"file": p.name, **json.loads(p.read_text())} for p in sorted(REFERENCE_DIR.glob(pattern))]
+def load_references(pattern: str = "*.json", folder: Path | None = None) -> list[dict]:
+    """The recorded results matching `pattern` in data/reference/ (or `folder`), each with its file name."""
+    return [{"file": p.name, **json.loads(p.read_text())} for p in sorted(Path(folder or REFERENCE_DIR).glob(pattern))]
 
 
 def show_reference(pattern: str, describe: Callable[[dict], str]) -> list[dict]:

@@ -29,10 +29,8 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import glob
 import hashlib
 import html
-import json
 import os
 import platform
 import re
@@ -187,13 +185,11 @@ def executed_notebook(
 
 def _recorded_runs(nb: nbformat.NotebookNode, root: Path) -> list[dict]:
     """The data/reference/ files the notebook's cells load, each with its recorded provenance."""
+    from course_lib.reference import load_references
+
     patterns = sorted({m for c in nb.cells if c.cell_type == "code" for m in REFERENCE_CALL.findall(c.source)})
-    runs = []
-    for pattern in patterns:
-        for path in sorted(glob.glob(str(root / "data" / "reference" / pattern))):
-            prov = json.loads(Path(path).read_text()).get("provenance", {})
-            runs.append({"file": Path(path).name, **prov})
-    return runs
+    folder = root / "data" / "reference"
+    return [{"file": r["file"], **r.get("provenance", {})} for p in patterns for r in load_references(p, folder)]
 
 
 def mathml(markdown: str) -> str:

@@ -95,26 +95,32 @@ def measure_ceilings(
     conv_dtypes: tuple[str, ...] = (),
 ) -> Ceilings:
     """Chapter 11: this machine's ceilings: a `size`-cubed matmul per dtype (FLOP/s) and a copy of
-    `copy_mib` MiB (read plus written bytes per second), each the best of three timings, and an
-    in-place add of one element (the floor every op stands on). For each of `conv_dtypes`, also the
-    convolution ceiling: a 3x3 convolution, 64 channels in and out, 8 images of 56x56, in
-    channels_last."""
-    flops = {}
+    `copy_mib` MiB (read plus written bytes per second), and an in-place add of one element (the
+    floor every op stands on). For each of `conv_dtypes`, also the convolution ceiling: a 3x3
+    convolution, 64 channels in and out, 8 images of 56x56, in channels_last. Each ceiling is the
+    best of three rounds that time every op once in turn."""
+    ops: dict[tuple[str, str], tuple[float, Callable[[], object]]] = {}  # (kind, dtype) -> (work, run)
     for name in dtypes:
         a = torch.randn(size, size, device=device).to(DTYPES[name])
         b = torch.randn(size, size, device=device).to(DTYPES[name])
-        # a ceiling is the best the machine shows: the fastest of three timings (a CPU that has just
-        # woken, or a neighbour's burst, makes a single one low)
-        flops[name] = max(2 * size**3 / measured_seconds(lambda: a @ b, device) for _ in range(3))
+        ops["matmul", name] = (2.0 * size**3, lambda a=a, b=b: a @ b)
     src = torch.randn(copy_mib * 2**18, device=device)  # 4-byte floats
     dst = torch.empty_like(src)
-    bandwidth = max(2 * src.numel() * 4 / measured_seconds(lambda: dst.copy_(src), device) for _ in range(3))
+    ops["copy", "fp32"] = (2.0 * src.numel() * 4, lambda: dst.copy_(src))  # bytes read plus written
+    for name in conv_dtypes:
+        conv = conv_op(8, 64, 64, 56, dtype=name, device=device)
+        ops["conv", name] = (conv.flops, conv.run)
+    # A ceiling is the best the machine shows. The rounds spread each op's three timings over a few
+    # seconds: a CPU that has just woken, or a neighbour's burst, then spoils one round, not all three.
+    best = dict.fromkeys(ops, 0.0)
+    for _ in range(3):
+        for key, (work, run) in ops.items():
+            best[key] = max(best[key], work / measured_seconds(run, device))
+    flops = {name: best["matmul", name] for name in dtypes}
+    conv_flops = {name: best["conv", name] for name in conv_dtypes}
+    bandwidth = best["copy", "fp32"]
     one = torch.ones(1, device=device)
     launch = measured_seconds(lambda: one.add_(1), device)
-    conv_flops = {}
-    for name in conv_dtypes:
-        op = conv_op(8, 64, 64, 56, dtype=name, device=device)
-        conv_flops[name] = max(op.flops / measured_seconds(op.run, device) for _ in range(3))
     return Ceilings(device=device, flops=flops, bandwidth=bandwidth, launch=launch, conv_flops=conv_flops)
 
 
@@ -231,11 +237,14 @@ def _compared(op: Op, ceilings: Ceilings, measured: float) -> dict:
 def roofline_rows(ops: list[Op], ceilings: Ceilings, repeats: int = 3) -> list[dict]:
     """Chapter 11: each op predicted and measured: {"op", "dtype", "intensity", "bound", "predicted",
     "measured" (seconds), "error" (predicted / measured - 1), "flops_per_s" (measured)}. An op is
-    measured as the ceilings are, the fastest of `repeats` timings, so that both sides of the
-    comparison are the machine at its best, not one of them at a neighbour's busiest moment."""
-    return [
-        _compared(op, ceilings, min(measured_seconds(op.run, ceilings.device) for _ in range(repeats))) for op in ops
-    ]
+    measured as the ceilings are, the fastest of `repeats` rounds that time every op once in turn, so
+    that both sides of the comparison are the machine at its best, not one of them at a neighbour's
+    busiest moment."""
+    fastest = [float("inf")] * len(ops)
+    for _ in range(repeats):
+        for i, op in enumerate(ops):
+            fastest[i] = min(fastest[i], measured_seconds(op.run, ceilings.device))
+    return [_compared(op, ceilings, seconds) for op, seconds in zip(ops, fastest)]
 
 
 def format_roofline_rows(rows: list[dict]) -> str:

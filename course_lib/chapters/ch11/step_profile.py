@@ -343,12 +343,13 @@ def _fusion_row(
 
 def fusion_rows(ceilings: Ceilings, numel: int = 2**22) -> list[dict]:
     """Chapter 11: `_residual_chain` over `numel` fp32 elements, eager and under `torch.compile`, each
-    predicted from the bandwidth and measured (the best of three `measured_seconds`). Eager runs four
-    ops, each reading its inputs and writing its output: 3 + 2 + 3 + 3 = 11 passes over `numel`
-    floats, and four starts. Compiled, Inductor fuses the chain into one kernel: the four inputs read
-    and the output written once, 5 passes, one start. Rows: {"mode", "passes", "predicted",
-    "measured" (seconds), "error", "first_call_s" (the first call: for the compiled one, compiling)}.
-    Compiling for a CPU needs a C++ compiler; without one the first call raises."""
+    predicted from the bandwidth and measured (after a round of warm-up, the best of three
+    `measured_seconds`). Eager runs four ops, each reading its inputs and writing its output:
+    3 + 2 + 3 + 3 = 11 passes over `numel` floats, and four starts. Compiled, Inductor fuses the
+    chain into one kernel: the four inputs read and the output written once, 5 passes, one start.
+    Rows: {"mode", "passes", "predicted", "measured" (seconds), "error", "first_call_s" (the first
+    call: for the compiled one, compiling)}. Compiling for a CPU needs a C++ compiler; without one
+    the first call raises."""
     tensors = [torch.randn(numel, device=ceilings.device) for _ in range(4)]
     modes = [
         ("eager: 4 ops", _residual_chain, 11, 4),
