@@ -17,8 +17,10 @@ import textwrap
 from dataclasses import dataclass
 
 import torch
+from torch.torch_version import TorchVersion
 
 __all__ = [
+    "AMP_DTYPES",
     "PrecisionError",
     "Recommendation",
     "pick_device",
@@ -29,7 +31,11 @@ __all__ = [
     "mixed_precision_for",
     "hardware_report",
     "gpu_cell",
+    "torch_at_least",
 ]
+
+# The one place a precision becomes an autocast dtype (None: autocast off). Chapter 00 on.
+AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # Tensor Core generations by compute capability (major, minor). Before Volta there are none.
 _TENSOR_CORES = [
@@ -249,6 +255,22 @@ def gpu_cell(what: str, instead: str = "the next cell shows the result recorded 
     if os.environ.get("COURSE_GPU_TIER") == "1":
         raise RuntimeError(f"GPU tier (COURSE_GPU_TIER=1) but no CUDA GPU here; cannot run: {what}")
     print(f"[needs a CUDA GPU, none here] {what}; {instead}.")
+    return False
+
+
+def torch_at_least(version: str, what: str = "", installed: str | None = None) -> bool:
+    """Chapter 11: is the installed torch at least `version` ("2.8")? The course's one version question,
+    asked as torch compares its own `__version__` (PEP 440): 2.10 is newer than 2.9, a local build
+    (2.6.0+cu124) is its release, and a pre-release (2.8.0a0) is older, as it may predate the feature.
+    With `what`, an older torch prints one line, what needs which torch and the torch found, and the
+    guarded cell goes on. Chapter 11's `torch._scaled_mm` on a CPU needs 2.8, or 2.12 for rowwise
+    scales; chapter 10's MemTracker on fake tensors runs on the floor, 2.6 (README, "Testing the
+    declared floor")."""
+    found = str(installed or torch.__version__)
+    if TorchVersion(found) >= version:
+        return True
+    if what:
+        print(f"skipped: needs torch >= {version} for {what}; this is {found}")
     return False
 
 

@@ -32,12 +32,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .device import check_precision, pick_device, recommend_precision
+from .device import AMP_DTYPES, check_precision, pick_device, recommend_precision
 
 __all__ = ["AMP_DTYPES", "StepResult", "amp_step", "TrainConfig", "History", "Trainer"]
-
-# The one place a precision becomes a dtype (None: autocast off).
-AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass

@@ -1,8 +1,10 @@
 """Helpers for the check tests (tests/test_checks*.py): judge an answer exactly as the grader does.
 
 Every helper goes through course_lib.tooling.grading.run_check (inputs and references in this
-process, answers across JSON). Import them as `from checking import verdict, passes, fails`:
-pytest puts tests/ on sys.path. The seed is keyword-only, and the number of answers must match
+process, answers across JSON); what a task forbids is judged from a notebook's source in a task
+process of its own (`judged_cells`), as the grader judges it. Import them as
+`from checking import verdict, passes, fails`: pytest puts tests/ on sys.path. The seed is
+keyword-only, and the number of answers must match
 the check's arguments, so that a stray positional seed is an error, not an extra answer that the
 check rejects and a `fails` that passes for the wrong reason.
 """
@@ -10,7 +12,8 @@ from __future__ import annotations
 
 import random
 
-from course_lib.tooling.grading import get_check, run_check
+from course_lib.tooling.checks import get_check
+from course_lib.tooling.grading import judge_cells, run_check
 
 
 def verdict(name: str, *objects, seed: int | None = None) -> tuple[str, str]:
@@ -43,3 +46,10 @@ def fails(name: str, *objects, seed: int | None = None) -> str:
     status, message = verdict(name, *objects, seed=seed)
     assert status == "failed", f"{name} accepted a wrong answer: {message}"
     return message
+
+
+def judged_cells(name: str, *cells: str, seed: int | None = None) -> tuple[str, str]:
+    """(status, message) for a notebook made of `cells` (code cells as typed), judged as the batch
+    grader and the inline check judge it: the statements the task needs, in a task process of its own."""
+    status, message, _, _ = judge_cells(name, list(cells), rng=random.Random(seed) if seed is not None else None)
+    return status, message

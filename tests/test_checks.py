@@ -8,11 +8,8 @@ module named __main__, as a notebook cell defines them, so the shortcut detector
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,12 +20,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from checking import fails, passes, verdict
+from checking import fails, judged_cells, passes, verdict
 
 from course_lib.chapters.ch01 import format_limits as FL
 from course_lib.chapters.ch01 import formats as F
 from course_lib.chapters.ch02.autocast_dtypes import module_dtypes
-from course_lib.tooling.grading import checks_for
+from course_lib.tooling.checks import checks_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,12 +57,11 @@ def test_choose_precision_accepts_the_rule_and_rejects_common_mistakes():
 
 
 def test_choose_precision_names_the_library_shortcut():
-    from course_lib.device import recommend_precision
-    shortcut = notebook_function("def choose(cc):\n    r = recommend_precision(capability=cc)\n"
-                                 "    return r.precision, r.use_grad_scaler", "choose",
-                                 recommend_precision=recommend_precision)
-    msg = fails("00.choose_precision", shortcut)
-    assert "called course_lib.device.recommend_precision" in msg and "write the rule yourself" in msg
+    """course_lib is absent from the process that judges the task: the shortcut's import fails there."""
+    status, msg = judged_cells("00.choose_precision", "from course_lib.device import recommend_precision",
+                               "def choose_precision(cc):\n    r = recommend_precision(capability=cc)\n"
+                               "    return r.precision, r.use_grad_scaler")
+    assert status == "failed" and "needs course_lib" in msg and "write the rule yourself" in msg, msg
 
 
 def _timed(fn, warmup, iters, pick):
@@ -79,6 +75,8 @@ def _timed(fn, warmup, iters, pick):
     return pick(times)
 
 
+@pytest.mark.slow
+@pytest.mark.timing
 def test_median_step_ms_accepts_the_median_and_rejects_every_shortcut():
     passes("00.median_step_ms", lambda fn, warmup, iters: _timed(fn, warmup, iters, statistics.median), times=1)
     passes("00.median_step_ms", lambda fn, warmup, iters: np.float32(_timed(fn, warmup, iters, statistics.median)),
@@ -201,17 +199,24 @@ def test_decode_shows_a_representative_counterexample_and_the_matching_hint():
     assert "which is not a number" in fails("01.decode_fp16", WRONG_CH01["01.decode_fp16"]["a string"])
 
 
-@pytest.mark.parametrize("name, source", [
-    ("01.decode_fp16", "def f(bits):\n    return torch.tensor([bits]).to(torch.int16).view(torch.float16).item()"),
-    ("01.decode_fp16", "import struct\ndef f(bits):\n    return struct.unpack('<e', bits.to_bytes(2, 'little'))[0]"),
-    ("01.decode_fp16", "def f(bits):\n    return float(np.frombuffer(bits.to_bytes(2, 'little'), np.float16)[0])"),
-    ("01.round_to_bf16", "def f(bits):\n"
+@pytest.mark.parametrize("name, source, module", [
+    ("01.decode_fp16", "def decode_fp16(bits):\n    return torch.tensor([bits]).to(torch.int16)"
+                       ".view(torch.float16).item()", "torch"),
+    ("01.decode_fp16", "import struct\ndef decode_fp16(bits):\n    return struct.unpack('<e', "
+                       "bits.to_bytes(2, 'little'))[0]", "struct"),
+    ("01.decode_fp16", "def decode_fp16(bits):\n    return float(np.frombuffer(bits.to_bytes(2, 'little'), "
+                       "np.float16)[0])", "numpy"),
+    ("01.decode_fp16", "def decode_fp16(bits):\n    return print.__self__.__import__('str' + 'uct')"
+                       ".unpack('<e', bits.to_bytes(2, 'little'))[0]", "struct"),
+    ("01.round_to_bf16", "def round_to_bf16(bits):\n"
                          "    x = torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32)\n"
-                         "    return x.to(torch.bfloat16).view(torch.int16).item() & 0xFFFF"),
+                         "    return x.to(torch.bfloat16).view(torch.int16).item() & 0xFFFF", "torch"),
 ])
-def test_by_hand_tasks_name_the_library_shortcut(name, source):
-    msg = fails(name, notebook_function(source, "f"))
-    assert "which this task asks you not to use" in msg and "plain Python" in msg
+def test_by_hand_tasks_name_the_library_shortcut(name, source, module):
+    """The shortcut's module is absent from the process that judges a "by hand" task, however it is reached."""
+    status, msg = judged_cells(name, "import math, torch\nimport numpy as np", source)
+    assert status == "failed" and module in msg and "which this task asks you not to use" in msg, msg
+    assert "plain Python" in msg
 
 
 # --------------------------------------------------------------------------- chapter 02
@@ -237,10 +242,10 @@ def test_predict_dtype_accepts_the_rule_and_rejects_wrong_rules():
 
 
 def test_predict_dtype_names_the_library_shortcut():
-    from course_lib.chapters.ch02.autocast_policy import output_dtype
-    shortcut = notebook_function("def f(op, d, dt, ins):\n    return output_dtype(op, d, dt, ins, fake=d == 'cuda')",
-                                 "f", output_dtype=output_dtype)
-    assert "called course_lib.chapters.ch02.autocast_policy.output_dtype" in fails("02.predict_dtype", shortcut)
+    shortcut = "def predict_dtype(op, d, dt, ins):\n    return output_dtype(op, d, dt, ins, fake=d == 'cuda')"
+    status, msg = judged_cells("02.predict_dtype", "from course_lib.chapters.ch02.autocast_policy import output_dtype",
+                               shortcut)
+    assert status == "failed" and "needs course_lib" in msg and "which this task asks you not to use" in msg, msg
 
 
 def _sqdist_factory(cast_inputs=True, fwd=True, bwd=True, grad_factor=1.0, swap_device=False):
@@ -335,11 +340,12 @@ def test_every_check_has_points_and_a_hint():
         assert checks_for(chapter) and all(c.hint and c.points >= 2 for c in checks_for(chapter))
 
 
+@pytest.mark.timing
 def test_median_step_ms_allows_for_sleeps_that_overshoot_on_a_busy_machine():
     """CI: every sleep ran ~5 ms late while the grader ran two notebooks; the true median then passes,
     judged against what the grader measured the calls really slept; 10 ms above it still fails, late or on time."""
+    from course_lib.tooling.checkbase import CheckFailure
     from course_lib.tooling.checks import ch00
-    from course_lib.tooling.grading import CheckFailure
     check = next(c for c in checks_for("00") if c.name == "00.median_step_ms")
     case = ch00._timing_case(random.Random(3))
     ms = [1000 * x for x in case["seconds"]]
@@ -354,49 +360,11 @@ def test_median_step_ms_allows_for_sleeps_that_overshoot_on_a_busy_machine():
 
 # --------------------------------------------------------------------------- the durations stay in the grader
 
-KERNEL = """
-import json, sys
-from course_lib.tooling import grading
-request = json.loads(sys.stdin.read())
-namespace = {"__name__": "__main__"}
-exec(request.pop("source"), namespace)  # the learner's notebook cell
-grading.serve(request, namespace)
-"""
-
-
 def separate_kernel(name: str, source: str, seed: int | None = None) -> tuple[str, str]:
     """(status, message) for `source`, a notebook cell defining the task's function, judged as the batch
-    grader judges it: the kernel is another process, shown only the public cases, and the probe's
-    `probes.ask` reaches this process, where the check's `host` answers it, over a socket."""
-    from course_lib.tooling.grading import ANSWER_FD_ENV, CheckFailure, get_check, judge_response
-    check = get_check(name)
-    cases = check.cases(random.Random(seed))
-    grader, kernel = socket.socketpair()
-    request = {"name": name, "args": list(check.args), "forbidden": list(check.forbidden), "nonce": "n",
-               "cases": [check.public(c) for c in cases], "source": source}
-    proc = subprocess.Popen([sys.executable, "-c", KERNEL], stdin=subprocess.PIPE, pass_fds=(kernel.fileno(),),
-                            env={**os.environ, ANSWER_FD_ENV: str(kernel.fileno())}, cwd=ROOT)
-    kernel.close()
-    proc.stdin.write(json.dumps(request).encode())
-    proc.stdin.close()
-    grader.settimeout(check.time_limit + 30)
-    reader, response = grader.makefile("rb"), None
-    try:
-        for line in iter(reader.readline, b""):
-            message = json.loads(line)
-            if "response" in message:
-                response = message["response"]
-                break
-            try:
-                reply = {"nonce": "n", "reply": check.host(cases[message["case"]], message["ask"])}
-            except CheckFailure as e:
-                reply = {"nonce": "n", "error": str(e)}
-            grader.sendall(json.dumps(reply).encode() + b"\n")
-    finally:
-        reader.close()
-        grader.close()
-        proc.wait(timeout=30)
-    return judge_response(check, cases, response)
+    grader judges it: in a task process of its own, shown only the public cases, whose probe's
+    `probes.ask` reaches this process, where the check's `host` answers it."""
+    return judged_cells(name, source, seed=seed)
 
 
 MEDIAN_STEP_MS = """
@@ -466,12 +434,16 @@ def passes_in_a_separate_kernel(name: str, source: str, tries: int = 3) -> None:
     raise AssertionError(f"{name} failed {tries} times in a separate kernel: {messages}")
 
 
+@pytest.mark.slow
+@pytest.mark.timing
 def test_median_step_ms_passes_in_a_separate_kernel_that_never_sees_the_durations():
     passes_in_a_separate_kernel("00.median_step_ms", MEDIAN_STEP_MS)
 
 
 @pytest.mark.parametrize("source", [READS_THE_CLOSURE, PATCHES_SLEEP, SCANS_GC, READS_FN_GLOBALS],
                          ids=["closure", "patched sleep", "gc", "fn globals"])
+@pytest.mark.slow
+@pytest.mark.timing
 def test_median_step_ms_rejects_reading_the_durations_in_the_kernel(source):
     status, message = separate_kernel("00.median_step_ms", source)
     assert status == "failed", message
@@ -479,6 +451,7 @@ def test_median_step_ms_rejects_reading_the_durations_in_the_kernel(source):
 
 @pytest.mark.parametrize("source", [READS_THE_CLOSURE, PATCHES_SLEEP, READS_FN_GLOBALS],
                          ids=["closure", "patched sleep", "fn globals"])
+@pytest.mark.timing
 def test_median_step_ms_rejects_reading_the_durations_inline_too(source):
     fails("00.median_step_ms", notebook_function(source, "median_step_ms"))
 
@@ -490,7 +463,7 @@ def test_median_step_ms_public_case_holds_no_durations():
 
 
 def test_median_step_ms_counts_calls_itself_and_answers_only_fn():
-    from course_lib.tooling.grading import CheckFailure
+    from course_lib.tooling.checkbase import CheckFailure
     check = next(c for c in checks_for("00") if c.name == "00.median_step_ms")
     case = check.cases(random.Random(0))[0]
     check.host(case, {"call": "fn"})
@@ -533,7 +506,8 @@ def test_fp_fate_rejects_an_empty_answer():
 def test_make_sqdist_judge_rejects_an_output_of_the_wrong_shape(out):
     """backward(g) refuses a wrong-shaped output in the kernel already; the judge checks the shape anyway,
     before comparing, so an answer that arrives empty or short is named as such."""
-    from course_lib.tooling.grading import CheckFailure, get_check
+    from course_lib.tooling.checkbase import CheckFailure
+    from course_lib.tooling.checks import get_check
     check = get_check("02.make_sqdist")
     case = check.cases(random.Random(0))[0]
     grads = {f"grad_{k}": {"array": case[k], "dtype": "float64"} for k in ("a", "b")}

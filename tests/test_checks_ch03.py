@@ -18,9 +18,9 @@ import nbformat
 import pytest
 import torch
 import torch.nn as nn
-from checking import fails, passes
+from checking import fails, judged_cells, passes
 
-from course_lib.tooling.grading import checks_for
+from course_lib.tooling.checks import checks_for
 
 
 def notebook_function(source: str, name: str, **names) -> object:
@@ -191,14 +191,14 @@ def update_scale(scale, tracker, found_inf, growth_factor, backoff_factor, growt
     message = fails("03.update_scale", with_gradscaler)  # its update() runs into the switched-off kernel
     assert "GradScaler's own kernels" in message and "yourself" in message
 
-    from course_lib.chapters.ch03.scaler import DynamicLossScaler
-    with_course = notebook_function("""
+    imports = "from course_lib.chapters.ch03.scaler import DynamicLossScaler"
+    status, message = judged_cells("03.update_scale", imports, """
 def update_scale(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval):
     ref = DynamicLossScaler(scale, growth_factor, backoff_factor, growth_interval, tracker)
     ref.update(found_inf)
     return ref.scale, ref.growth_tracker
-""", "update_scale", DynamicLossScaler=DynamicLossScaler)
-    assert "course_lib" in fails("03.update_scale", with_course)
+""")
+    assert status == "failed" and "needs course_lib" in message, message  # absent from the task's process
 
 
 def test_update_scale_refuses_torchs_own_kernel():
@@ -282,13 +282,13 @@ def test_clipped_step_rejects_a_plausible_mistake_and_says_why(mistake):
 
 
 def test_clipped_step_refuses_the_course_trainer():
-    from course_lib.train import TrainConfig, Trainer
-    via_trainer = notebook_function("""
+    status, message = judged_cells("03.clipped_step", "import torch\nfrom course_lib.train import TrainConfig, Trainer",
+                                   RIGHT_STEP.replace("def clipped_step", "def right"), """
 def clipped_step(model, optimizer, scaler, loss, max_norm):
     Trainer(model, optimizer, TrainConfig(precision="fp32", device="cpu", progress=False))
-    return RIGHT(model, optimizer, scaler, loss, max_norm)
-""", "clipped_step", Trainer=Trainer, TrainConfig=TrainConfig, RIGHT=step())
-    assert "course_lib" in fails("03.clipped_step", via_trainer)
+    return right(model, optimizer, scaler, loss, max_norm)
+""")
+    assert status == "failed" and "needs course_lib" in message, message
 
 
 # --------------------------------------------------------------------------- answers of the wrong shape
@@ -297,7 +297,8 @@ def clipped_step(model, optimizer, scaler, loss, max_norm):
 
 def judged(name: str, results: list, seed: int = 5) -> tuple[str, str]:
     """The grader's verdict on `results` sent back for the cases it drew with `seed`."""
-    from course_lib.tooling.grading import get_check, judge_response
+    from course_lib.tooling.checkbase import judge_response
+    from course_lib.tooling.checks import get_check
     check = get_check(name)
     cases = check.cases(random.Random(seed))
     return judge_response(check, cases, json.loads(json.dumps({"results": results(cases)})))
@@ -305,9 +306,11 @@ def judged(name: str, results: list, seed: int = 5) -> tuple[str, str]:
 
 def right_results(name: str, fn, seed: int = 5) -> list:
     """What an honest kernel running `fn` sends back for the cases drawn with `seed`."""
-    from course_lib.tooling.grading import get_check, respond
+    from course_lib.tooling import probes
+    from course_lib.tooling.checks import get_check
+    from course_lib.tooling.task import respond
     check = get_check(name)
-    response = json.loads(json.dumps(respond(check, check.cases(random.Random(seed)), {check.args[0]: fn})))
+    response = json.loads(json.dumps(respond(probes.find(check.name), [fn], check.cases(random.Random(seed)))))
     return response["results"]
 
 

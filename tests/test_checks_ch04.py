@@ -11,10 +11,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from checking import fails, passes, verdict
+from checking import fails, judged_cells, passes, verdict
 
 from course_lib.chapters.ch04.accumulation import accumulation_step
-from course_lib.tooling.grading import checks_for
+from course_lib.tooling.checks import checks_for
 
 NAME = "04.accumulate"
 HEADER = """
@@ -122,11 +122,15 @@ def test_the_ragged_cases_alone_catch_the_mean_of_means():
 
 
 def test_calling_the_chapters_loop_is_refused():
-    shortcut = notebook_function("def accumulate(model, optimizer, scaler, micro_batches, loss_fn, dtype):\n"
-                                 "    accumulation_step(model, optimizer, scaler, micro_batches, loss_fn, dtype)\n",
-                                 accumulation_step=accumulation_step)
-    message = fails(NAME, shortcut, seed=0)
-    assert "which this task asks you not to use" in message and "write the loop yourself" in message
+    """The chapter's loop is absent from the process that judges the task, however it is imported."""
+    for how in ("from course_lib.chapters.ch04.accumulation import accumulation_step",
+                "accumulation_step = __import__('course_lib.chapters.ch04.accu' + 'mulation', "
+                "fromlist=['x']).accumulation_step"):
+        status, message = judged_cells(NAME, how, "def accumulate(model, optimizer, scaler, micro_batches, loss_fn, "
+                                       "dtype):\n    accumulation_step(model, optimizer, scaler, micro_batches, "
+                                       "loss_fn, dtype)\n", seed=0)
+        assert status == "failed", message
+        assert "which this task asks you not to use" in message and "write the loop yourself" in message
 
 
 def test_the_library_loop_itself_is_right():
@@ -223,7 +227,8 @@ def test_step_and_update_inside_autocast_fail():
 def test_answers_of_the_wrong_shape_fail():
     import json
 
-    from course_lib.tooling.grading import get_check, judge_response
+    from course_lib.tooling.checkbase import judge_response
+    from course_lib.tooling.checks import get_check
     check = get_check(NAME)
     cases = check.cases(random.Random(4))
     for results, says in (([{} for _ in cases], "lacks"), ([[] for _ in cases], "expected a dict"),

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from checking import passes, verdict
+from checking import judged_cells, passes, verdict
 
-from course_lib.chapters.ch05 import article_two_models, multi
-from course_lib.tooling.grading import checks_for
+from course_lib.chapters.ch05 import multi
+from course_lib.tooling.checks import checks_for
 
 NAME = "05.fix_two_models"
 
@@ -135,7 +135,7 @@ def test_a_hard_coded_answer_fails():
 def test_calling_the_chapters_loop_is_refused():
     # The learner builds the autocast mode themselves, so the one call into the library is the
     # chapter's loop: the refusal must come from two_model_step, not from constructing AmpMode.
-    shortcut = notebook_function('''
+    status, message = judged_cells(NAME, "import torch\nfrom course_lib.chapters.ch05 import article_two_models", '''
 class Mode:
     def __init__(self, dtype):
         self.dtype = dtype
@@ -145,23 +145,21 @@ class Mode:
 def train_two_models(model0, model1, opt0, opt1, scaler, batches, max_norm, dtype):
     for x, y in batches:
         article_two_models.two_model_step(model0, model1, opt0, opt1, scaler, x, y, Mode(dtype), max_norm)
-''', article_two_models=article_two_models)
-    status, message = verdict(NAME, shortcut)
+''')
     assert status == "failed", message
-    assert "course_lib.chapters.ch05.article_two_models.two_model_step" in message
+    assert "needs course_lib.chapters.ch05.article_two_models" in message  # absent from the task's process
     assert "fix the loop yourself" in message
 
 
 def test_building_the_chapters_amp_mode_is_refused_too():
-    shortcut = notebook_function('''
+    status, message = judged_cells(NAME, "from course_lib.chapters.ch05 import multi", '''
 def train_two_models(model0, model1, opt0, opt1, scaler, batches, max_norm, dtype):
     mode = multi.AmpMode("cpu", dtype, True, "")
     for x, y in batches:
         with mode.autocast():
             pass
-''', multi=multi)
-    status, message = verdict(NAME, shortcut)
-    assert status == "failed" and "course_lib.chapters.ch05.multi" in message
+''')
+    assert status == "failed" and "course_lib.chapters.ch05.multi" in message, message
 
 
 def test_the_check_has_points_and_a_hint():
@@ -174,11 +172,13 @@ def test_judging_in_threads_is_safe():
     import json
     import threading
 
-    from course_lib.tooling.grading import get_check, respond
+    from course_lib.tooling import probes
+    from course_lib.tooling.checks import get_check
+    from course_lib.tooling.task import respond
 
     check = get_check(NAME)
     cases = check.cases(random.Random(3))
-    response = json.loads(json.dumps(respond(check, cases, {"train_two_models": notebook_function(FIXED)})))
+    response = json.loads(json.dumps(respond(probes.find(check.name), [notebook_function(FIXED)], cases)))
     errors: list[BaseException] = []
 
     def judge() -> None:
@@ -259,16 +259,18 @@ def test_the_last_case_makes_both_optimizers_skip_a_step():
 def respond_json(fn, seed: int) -> tuple:
     import json
 
-    from course_lib.tooling.grading import get_check, respond
+    from course_lib.tooling import probes
+    from course_lib.tooling.checks import get_check
+    from course_lib.tooling.task import respond
     check = get_check(NAME)
     cases = check.cases(random.Random(seed))
-    return check, cases, json.loads(json.dumps(respond(check, cases, {"train_two_models": fn})))["results"]
+    return check, cases, json.loads(json.dumps(respond(probes.find(check.name), [fn], cases)))["results"]
 
 
 def test_steps_that_were_not_skipped_on_an_overflow_fail():
     # a kernel that reports every step as taken (as a loop stepping on infs would): the grader counts the
     # steps a correct loop skips on the same case and compares them per optimizer
-    from course_lib.tooling.grading import judge_response
+    from course_lib.tooling.checkbase import judge_response
     check, cases, honest = respond_json(notebook_function(FIXED), seed=6)
     assert judge_response(check, cases, {"results": honest})[0] == "passed"
     never_skipped = [{**r, "steps": [c["iterations"]] * 2} for r, c in zip(honest, cases)]
@@ -277,7 +279,7 @@ def test_steps_that_were_not_skipped_on_an_overflow_fail():
 
 
 def test_answers_of_the_wrong_shape_fail():
-    from course_lib.tooling.grading import judge_response
+    from course_lib.tooling.checkbase import judge_response
     check, cases, honest = respond_json(notebook_function(FIXED), seed=7)
     wrong = {
         "an empty list per case": ([[] for _ in cases], "expected a dict"),

@@ -13,7 +13,7 @@ import statistics
 import time
 
 import pytest
-from checking import fails, passes, verdict
+from checking import fails, judged_cells, passes, verdict
 from test_checks import passes_in_a_separate_kernel, separate_kernel  # the kernel in another process
 
 from course_lib.chapters.ch06.traces import diagnose_trace
@@ -103,13 +103,9 @@ def test_diagnose_step_names_a_fix_that_does_not_exist():
 
 
 def test_diagnose_step_names_the_library_shortcut():
-    import types
-
-    from course_lib.chapters.ch06 import traces
-    namespace = {"__name__": "__main__", "traces": traces}
-    exec("def shortcut(p):\n    return traces.diagnose_trace(p)\n", namespace)
-    msg = fails("06.diagnose_step", namespace["shortcut"])
-    assert "course_lib.chapters.ch06.traces.diagnose" in msg and isinstance(namespace["shortcut"], types.FunctionType)
+    status, msg = judged_cells("06.diagnose_step", "from course_lib.chapters.ch06 import traces",
+                               "def diagnose_step(p):\n    return traces.diagnose_trace(p)\n")
+    assert status == "failed" and "needs course_lib" in msg and "which this task asks you not to use" in msg, msg
 
 
 # --------------------------------------------------------------------------- task 2: the timing helper
@@ -128,6 +124,8 @@ def time_it(fn, sync, warmup=3, iters=10, pick=None):
     return {"median_ms": pick(times) if pick else median, "q1_ms": q1, "q3_ms": q3}
 
 
+@pytest.mark.slow
+@pytest.mark.timing
 def test_time_it_accepts_the_helper_and_any_quartile_method():
     passes("06.time_it", time_it, times=1)
 
@@ -157,6 +155,8 @@ def test_time_it_rejects_a_hard_coded_answer():
     assert "returned median_ms=16.0" in fails("06.time_it", constant, seed=1)
 
 
+@pytest.mark.slow
+@pytest.mark.timing
 def test_time_it_rejects_no_warmup_a_mean_and_a_missing_sync():
     def no_warmup(fn, sync, warmup=3, iters=10):
         return time_it(fn, sync, 0, iters)
@@ -196,6 +196,8 @@ def test_time_it_rejects_no_warmup_a_mean_and_a_missing_sync():
     assert "between the warm-up and the first timed call" in fails("06.time_it", no_sync_after_warmup)
 
 
+@pytest.mark.slow
+@pytest.mark.timing
 def test_time_it_rejects_seconds_and_a_missing_spread():
     def seconds(fn, sync, warmup=3, iters=10):
         return {k: v / 1000 for k, v in time_it(fn, sync, warmup, iters).items()}
@@ -273,16 +275,21 @@ def time_it(fn, sync, warmup=3, iters=10):
 """
 
 
+@pytest.mark.slow
+@pytest.mark.timing
 def test_time_it_passes_in_a_separate_kernel_that_never_sees_the_durations():
     passes_in_a_separate_kernel("06.time_it", TIME_IT)
 
 
+@pytest.mark.slow
+@pytest.mark.timing
 @pytest.mark.parametrize("source", [READS_THE_CLOSURE, PATCHES_SLEEP, SCANS_GC], ids=["closure", "patched sleep", "gc"])
 def test_time_it_rejects_reading_the_durations_in_the_kernel(source):
     status, message = separate_kernel("06.time_it", source)
     assert status == "failed", message
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("source", [READS_THE_CLOSURE, PATCHES_SLEEP], ids=["closure", "patched sleep"])
 def test_time_it_rejects_reading_the_durations_inline_too(source):
     namespace = {"__name__": "__main__"}
@@ -290,6 +297,7 @@ def test_time_it_rejects_reading_the_durations_inline_too(source):
     fails("06.time_it", namespace["time_it"])
 
 
+@pytest.mark.timing
 def test_time_it_reference_cannot_be_stretched_by_waiting_before_sync():
     """The grader measures each call from queued to done; a helper that dawdles before sync() and then
     answers a constant does not move the reference to its constant."""
@@ -306,7 +314,8 @@ def test_time_it_reference_cannot_be_stretched_by_waiting_before_sync():
 
 
 def test_time_it_public_case_holds_no_durations_and_host_counts_calls():
-    from course_lib.tooling.grading import CheckFailure, get_check
+    from course_lib.tooling.checkbase import CheckFailure
+    from course_lib.tooling.checks import get_check
     check = get_check("06.time_it")
     case = check.cases(random.Random(0))[0]
     assert check.public(case) == {"warmup": case["warmup"], "iters": case["iters"]}

@@ -22,8 +22,8 @@ import torch
 from checking import fails, verdict
 from torch.utils.data import DataLoader, TensorDataset
 
-from course_lib.tooling.checks import ch07
-from course_lib.tooling.grading import CheckFailure, checks_for
+from course_lib.tooling.checkbase import CheckFailure
+from course_lib.tooling.checks import ch07, checks_for
 
 NAME = "07.loader_settings"
 
@@ -33,16 +33,22 @@ def good(batch_size, load_ms, step_ms, cpus):
     return {"batch_size": batch_size, "num_workers": workers, "prefetch_factor": 4, "persistent_workers": True}
 
 
+@pytest.mark.slow
+@pytest.mark.timing
 def test_good_settings_pass():
     status, message = verdict(NAME, good)
     assert status == "passed", message
 
 
+@pytest.mark.slow
+@pytest.mark.timing
 def test_loading_in_the_training_process_fails():
     msg = fails(NAME, lambda batch_size, load_ms, step_ms, cpus: {"batch_size": batch_size})
     assert "returned num_workers=0 (the default: loading in the training process)" in msg
 
 
+@pytest.mark.slow
+@pytest.mark.timing
 def test_loading_in_the_training_process_fails_on_its_measured_wait_too(monkeypatch, capsys):
     """The measurement itself, on the machine the grader measured: no workers cannot hide the loading.
     Inline the check says so of "this machine" and prints each run as it ends; the grader prints nothing."""
@@ -227,6 +233,8 @@ def test_the_check_has_points_and_a_hint():
     assert c.points >= 2 and "load_ms / step_ms" in c.hint
 
 
+@pytest.mark.slow
+@pytest.mark.timing
 def test_the_loader_is_measured_in_a_fresh_process_not_in_the_threaded_grader():
     """The DataLoader forks; the grader's judges run in threads. The measurement happens in a child
     Python whose answer comes back as numbers, each run reported as it ends, and a loader that cannot
@@ -255,13 +263,13 @@ def test_the_check_runs_in_the_probe_and_the_probe_needs_no_check_module():
 
 def test_inline_the_machine_is_this_one_and_in_the_batch_grader_it_is_the_graders(monkeypatch, capsys):
     """check() in a notebook judges in the learner's own kernel: the machine measured is theirs. The batch
-    grader judges in its own process, where course_lib.tooling.runner is imported, and prints nothing."""
-    monkeypatch.delitem(sys.modules, "course_lib.tooling.runner", raising=False)
+    grader judges in its own process, where course_lib.tooling.grader.cli is imported, and prints nothing."""
+    monkeypatch.delitem(sys.modules, "course_lib.tooling.grader.cli", raising=False)
     case = {"batch_size": 32, "load_ms": 30.0, "step_ms": 21.0, "cpus": 2, "measured": True}
     assert ch07.inline() and ch07.LoaderSettings().describe(case).endswith(") for this machine")
     ch07.say("a progress line")
     assert capsys.readouterr().out == "a progress line\n"
-    monkeypatch.setitem(sys.modules, "course_lib.tooling.runner", sys.modules[__name__])
+    monkeypatch.setitem(sys.modules, "course_lib.tooling.grader.cli", sys.modules[__name__])
     assert not ch07.inline() and ch07.LoaderSettings().describe(case).endswith(") for the grader's machine")
     ch07.say("a progress line")
     assert capsys.readouterr().out == ""

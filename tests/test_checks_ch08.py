@@ -23,9 +23,11 @@ import torch
 from checking import verdict
 
 from course_lib.tooling import probes
-from course_lib.tooling.checks import ch08
-from course_lib.tooling.grading import CheckFailure, get_check
+from course_lib.tooling.checkbase import CheckFailure
+from course_lib.tooling.checks import ch08, get_check
 from course_lib.tooling.probes.ch08 import HEADER
+
+pytestmark = pytest.mark.slow  # each answer trained in a real two-process group: left out by make test-fast
 
 SOLUTION = '''
 def ddp_train(rank, world_size, model, dataset, *, epochs, batch_size, lr, seed, amp_dtype=torch.bfloat16):

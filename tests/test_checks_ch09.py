@@ -15,8 +15,8 @@ import pytest
 from checking import fails, verdict
 
 from course_lib.chapters.ch09 import speedup
-from course_lib.tooling.checks import ch07, ch09
-from course_lib.tooling.grading import CheckFailure, checks_for
+from course_lib.tooling.checkbase import CheckFailure
+from course_lib.tooling.checks import ch07, ch09, checks_for
 
 # --------------------------------------------------------------------------- 09.speed_up
 
@@ -161,6 +161,8 @@ def test_an_untouched_stub_is_not_attempted():
         assert verdict(name, stub)[0] == "not attempted"
 
 
+@pytest.mark.slow
+@pytest.mark.timing
 def test_the_real_measurement_runs_both_scripts_in_a_fresh_process():
     """One real run: the solution's settings, measured as the grader measures them, pass."""
     slow, rounds = ch09.SpeedUp().cases(random.Random(1))[0], []

@@ -1,20 +1,30 @@
-"""course_lib.tooling.grading: how a check is written, and what the learner sees inline.
+"""How a check is written (course_lib.tooling.checkbase), what the task process sends back
+(course_lib.tooling.task) and what the learner sees inline (course_lib.tooling.grading).
 
-The same three steps run inline and in the batch grader: cases (grader), run (kernel), judge
-(grader); between run and judge every answer becomes plain data and crosses JSON.
+The same three steps run inline and in the batch grader: cases (the judge's process), run (the task
+process), judge (the judge's process); between run and judge every answer becomes plain data and
+crosses JSON. Inline, check() reads the notebook's code from IPython's history and judges it exactly
+as the batch grader does (tests/test_grader.py compares the two on a whole class).
 """
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from course_lib.tooling import grading
-from course_lib.tooling.grading import Check, CheckFailure, check, judge_response, register, respond, to_plain
+from course_lib.tooling import grading, probes, task
+from course_lib.tooling.checkbase import Check, CheckFailure, judge_response, register, registered
+from course_lib.tooling.checks import get_check
+from course_lib.tooling.grading import check
+from course_lib.tooling.task import respond, to_plain
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @register
@@ -79,27 +89,37 @@ def test_numpy_and_torch_scalars_become_python_numbers():
 
 
 def test_objects_that_lie_are_refused_and_subclasses_lose_their_overrides():
-    with pytest.raises(grading.NotPlain, match="LiesAboutEquality"):
+    with pytest.raises(task.NotPlain, match="LiesAboutEquality"):
         to_plain(LiesAboutEquality())
     plain = to_plain(FloatThatLies(2.0))
     assert type(plain) is float and plain != 3.0
-    with pytest.raises(grading.NotPlain):
+    with pytest.raises(task.NotPlain):
         to_plain({1: "non-string key"})
+
+
+def test_an_integer_too_long_to_send_is_said_to_be_so():
+    """JSON cannot carry an integer of more than 4,300 digits: the answer says what it was, not that the
+    grading helpers went missing."""
+    assert to_plain(10**3000) == 10**3000
+    with pytest.raises(task.NotPlain, match="10,0.. digits, too large to send back"):
+        to_plain(10**10_000)
+    response = respond(None, [lambda x: 10**10_000], [1])
+    status, message = judge_response(get_check("98.double"), [1], json.loads(json.dumps(response)))
+    assert status == "failed" and "too large to send back" in message
 
 
 # --------------------------------------------------------------------------- kernel side, grader side
 
 def test_respond_reports_what_happened_and_judge_words_it_for_a_student():
-    c = grading.get_check("98.double")
+    c = get_check("98.double")
     cases = [4, 5]
-    assert respond(c, cases, {}) == {"missing": "double"}
-    assert respond(c, cases, {"double": _stub}) == {"not_attempted": True}
+    assert respond(None, [_stub], cases) == {"not_attempted": True}
     assert judge_response(c, cases, {"missing": "double"})[0] == "not attempted"
-    raised = respond(c, cases, {"double": lambda x: 1 / 0 if x == 5 else 2 * x})
+    raised = respond(None, [lambda x: 1 / 0 if x == 5 else 2 * x], cases)
     assert raised == {"raised": "ZeroDivisionError: division by zero", "at": 1, "results": [8]}
     assert judge_response(c, cases, raised) == ("failed", "double raised ZeroDivisionError: division by zero "
                                                           "on double(5)")
-    lying = respond(c, cases, {"double": lambda x: LiesAboutEquality()})
+    lying = respond(None, [lambda x: LiesAboutEquality()], cases)
     status, message = judge_response(c, cases, json.loads(json.dumps(lying)))
     assert status == "failed" and "LiesAboutEquality object" in message
     assert judge_response(c, cases, {"results": [8, 10]}) == ("passed", "passed")
@@ -110,34 +130,71 @@ def test_respond_reports_what_happened_and_judge_words_it_for_a_student():
 def test_a_torch_error_that_is_a_not_implemented_error_is_not_mistaken_for_the_stub():
     def uses_missing_kernel(x):
         raise NotImplementedError("Could not run 'aten::foo' with arguments from the 'Meta' backend")
-    response = respond(grading.get_check("98.double"), [1], {"double": uses_missing_kernel})
+    response = respond(None, [uses_missing_kernel], [1])
     assert "raised" in response and "aten::foo" in response["raised"]
 
 
-def notebook_function(source: str) -> object:
-    """A function defined the way a notebook cell defines it: in module __main__."""
-    namespace = {"__name__": "__main__", "torch": torch}
-    exec(source, namespace)
-    return namespace["f"]
-
-
-def test_a_forbidden_call_made_by_the_learner_is_named_but_the_checks_own_calls_are_not():
-    c = grading.get_check("98.no_torch")
-    learner = notebook_function("def f(x):\n    return torch.tensor(x).mul(2).item()")
-    response = respond(c, c.cases(random.Random(0)), {"f": learner})
-    status, message = judge_response(c, [1.5], response)
-    assert status == "failed" and "called torch." in message and "use plain Python" in message
-    assert judge_response(c, [1.5], respond(c, [1.5], {"f": lambda x: 2 * x})) == ("passed", "passed")
+def test_a_forbidden_module_is_absent_from_the_task_process_and_named():
+    """What a task forbids cannot be imported where it is judged, however the import is spelled; the
+    check's own modules (the probe's torch) are imported before the learner's code and stay usable."""
+    for source in ("import torch\ndef f(x):\n    return torch.tensor(x).mul(2).item()",
+                   "def f(x):\n    return __import__('to' + 'rch').tensor(x).mul(2).item()"):
+        status, message, _, _ = grading.judge_cells("98.no_torch", [source])
+        assert status == "failed" and "torch" in message and "use plain Python" in message, message
+    assert grading.judge_cells("98.no_torch", ["def f(x):\n    return 2 * x"])[:2] == ("passed", "passed")
 
 
 # --------------------------------------------------------------------------- inline check()
 
-def test_check_prints_one_line_on_a_pass_and_echoes_nothing(capsys):
-    assert check("98.double", lambda x: 2 * x) is None  # no True/False echoed under the line in a notebook
-    assert capsys.readouterr().out == "✅ 98.double — passed (2/2 points)\n"
+class Shell:
+    """Enough of IPython's shell for check(): the history of the cells a kernel ran, as typed."""
+
+    def __init__(self, cells: list[str]) -> None:
+        self.history_manager = type("History", (), {"input_hist_raw": ["", *cells]})()
 
 
-def test_check_prints_the_hint_after_a_failed_attempt_only(capsys):
+@pytest.fixture
+def notebook(monkeypatch):
+    """Run check() as in a notebook whose cells (as typed) are the given ones; the fixture chapter 99's
+    checks are the ones a fresh judging process finds."""
+    import builtins
+
+    fixtures = ROOT / "tests" / "fixtures"
+    monkeypatch.setenv("COURSE_EXTRA_CHECKS", str(fixtures / "checks_ch99.py"))
+    monkeypatch.setenv("COURSE_EXTRA_PROBES", str(fixtures / "probes_ch99.py"))
+
+    def ran(*cells: str) -> None:
+        monkeypatch.setattr(builtins, "get_ipython", lambda: Shell(list(cells)), raising=False)
+    return ran
+
+
+def test_check_prints_one_line_on_a_pass_and_echoes_nothing(capsys, notebook):
+    notebook("!nvidia-smi\nimport os", "def add(a, b):\n    return a + b", 'check("99.add", add)')
+    assert check("99.add", lambda a, b: a + b) is None  # no True/False echoed under the line in a notebook
+    assert capsys.readouterr().out == "✅ 99.add — passed (2/2 points)\n"
+
+
+def test_inline_the_notebooks_code_is_judged_not_the_object_passed(capsys, notebook):
+    """As the grader judges it: the statements `add` needs, in a process of its own, judged by a fresh
+    process; a cell that patches the judging code, in the notebook or in this kernel, changes nothing."""
+    notebook("def add(a, b):\n    return a + b + 1",
+             "import course_lib.tooling.grading as g\ng.judge_cells = lambda *a, **k: ('passed', 'passed', [], None)")
+    grading.judge_cells, real = (lambda *a, **k: ("passed", "passed", [], None)), grading.judge_cells
+    try:
+        check("99.add", lambda a, b: a + b)
+    finally:
+        grading.judge_cells = real
+    out = capsys.readouterr().out
+    assert out.startswith("❌ 99.add — add(") and "the grader ran only what add needs: cell 1 of" in out, out
+
+
+def test_outside_a_notebook_check_judges_the_object_here_and_says_so(capsys):
+    check("98.double", lambda x: 2 * x)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "✅ 98.double — passed (2/2 points)" and "judged in this process" in out[1]
+
+
+def test_check_prints_the_hint_after_a_failed_attempt_only(capsys):  # judged here: no notebook
     check("98.double", lambda x: x + x + 1)
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("❌ 98.double — double(") and "returned" in out[0] and "expected" in out[0]
@@ -199,16 +256,16 @@ def test_register_rejects_malformed_checks():
 
 def test_check_modules_import_cleanly():
     import course_lib.tooling.checks as checks
-    grading._load()  # every chapter
+    checks.load()  # every chapter
     assert checks.errors == {}
-    assert {c.name.split(".")[0] for c in grading._REGISTRY.values()} >= {"00", "01", "02"}
+    assert {c.name.split(".")[0] for c in registered().values()} >= {"00", "01", "02"}
 
 
-def test_no_course_check_runs_code_of_its_own_in_the_kernel():
-    """The grader's sandbox holds no check module: a course check's kernel side is its probe alone."""
+def test_no_course_check_runs_code_of_its_own_in_the_task_process():
+    """No sandbox holds a check module: a course check's task side is its probe alone."""
     from course_lib.tooling import checks
     checks.load()
-    own = [c.name for c in grading._REGISTRY.values()
+    own = [c.name for c in registered().values()
            if type(c).__module__.startswith("course_lib.tooling.checks") and type(c).run is not Check.run]
     assert not own, f"these checks override run(); move it to course_lib/tooling/probes/chNN.py: {own}"
 
@@ -224,7 +281,6 @@ class Secret(Check):
         return {"shown": case["shown"]}
 
     def run(self, case, f):  # stands for a probe in probes/ch98.py
-        from course_lib.tooling import probes
         return [case, f(probes.ask({"want": "hidden"}))]
 
     def host(self, case: dict, request: dict) -> int:
@@ -243,6 +299,36 @@ def test_the_kernel_sees_the_public_case_and_the_host_answers_with_the_full_one(
 
 
 def test_asking_the_host_outside_a_task_is_an_error():
-    from course_lib.tooling import probes
     with pytest.raises(RuntimeError, match="only while a check runs"):
         probes.ask({"anything": 1})
+
+
+@pytest.mark.slow
+def test_in_a_real_kernel_check_reads_the_cells_run_so_far_and_judges_them_as_the_grader_does(tmp_path):
+    """As a learner runs it: cells executed in a Jupyter kernel, history kept. The habit cell (a shell
+    line) does not matter; the cell that patches the judging code does not run where add is judged."""
+    import nbformat
+    from grading_class import IMPORT
+    from grading_class import notebook as make_notebook
+    from nbclient import NotebookClient
+
+    fixtures = ROOT / "tests" / "fixtures"
+    cells = [IMPORT, "!echo habit", "def add(a, b):\n    return a - b",
+             "import course_lib.tooling.grading as g\ng.judge_cells = lambda *a, **k: ('passed', 'passed', [], None)",
+             'check("99.add", add)', "def add(a, b):\n    return a + b", 'check("99.add", add)']
+    nb = nbformat.reads(make_notebook(cells), as_version=4)
+    env = {**os.environ, "COURSE_EXTRA_CHECKS": str(fixtures / "checks_ch99.py"),
+           "COURSE_EXTRA_PROBES": str(fixtures / "probes_ch99.py"), "PYTHONPATH": str(ROOT)}
+    env.pop("AMP_COURSE_GRADING", None)
+    client = NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    client.km = client.create_kernel_manager()
+    client.start_new_kernel(env=env)
+    client.start_new_kernel_client()
+    try:
+        for i, cell in enumerate(nb.cells):
+            client.execute_cell(cell, i)
+    finally:
+        client._cleanup_kernel() if hasattr(client, "_cleanup_kernel") else client.km.shutdown_kernel(now=True)
+    out = ["".join(o.get("text", "") for o in c.outputs) for c in nb.cells]
+    assert out[4].startswith("❌ 99.add — add(") and "returned" in out[4], out[4]  # the patch did not help
+    assert out[6] == "✅ 99.add — passed (2/2 points)\n", out[6]

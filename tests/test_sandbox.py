@@ -1,7 +1,8 @@
-"""What a submission's sandbox holds: its own folder and the learner library, nothing else.
+"""What a task's sandbox holds: its own folder and the learner library, nothing else, and none of the
+modules the task forbids.
 
-The grader's hostile-class test (test_grader.py) shows the consequences; this one looks inside the
-sandbox directly, with a script that reports what it can see and do.
+The grader's class test (test_grader.py) shows the consequences; this one looks inside the sandbox
+directly, with a script that reports what it can see and do.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.tooling import sandbox
+from course_lib.tooling.grader import sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not sandbox.available(), reason="this machine cannot create user namespaces")
@@ -21,7 +22,7 @@ LOOK = r"""
 import json, os, subprocess, sys
 paths = json.loads(sys.argv[1])
 report = {"exists": {p: os.path.exists(p) for p in paths}}
-import course_lib.tooling.grading, course_lib.tooling.probes
+import course_lib.tooling.task, course_lib.tooling.probes
 report["library"] = os.path.dirname(course_lib.__file__)
 try:
     import course_lib.tooling.checks
@@ -66,7 +67,7 @@ def seen(tmp_path_factory) -> dict:
            **sandbox.namespace_env(box, library, [workspace, submissions, gradebook])}
     look = [str(ROOT / "solutions"), str(ROOT / "course_lib" / "tooling" / "checks"), str(ROOT / "exercises"),
             str(other / "work" / "01_formats_exercises.ipynb"), str(submissions), str(gradebook / "gradebook.jsonl"),
-            str(library / "course_lib" / "tooling" / "checks"), str(library / "course_lib" / "tooling" / "grader.py"),
+            str(library / "course_lib" / "tooling" / "checks"), str(library / "course_lib" / "tooling" / "grader"),
             str(Path.home() / ".bashrc"), str(library / "data" / "fashion_mnist_20k.npz"), str(box / "work")]
     write = [str(box / "work" / "mine.txt"), str(library / "course_lib" / "evil.py"), "/usr/evil", "/tmp/scratch",
              str(Path(sys.prefix) / "evil")]
@@ -90,7 +91,7 @@ def test_the_learner_library_is_there_without_the_graders_secrets(seen):
     assert seen["report"]["library"] == str(library / "course_lib")
     assert exists[str(library / "data" / "fashion_mnist_20k.npz")]
     assert not exists[str(library / "course_lib" / "tooling" / "checks")]
-    assert not exists[str(library / "course_lib" / "tooling" / "grader.py")]
+    assert not exists[str(library / "course_lib" / "tooling" / "grader")]  # the grader's side: a folder, left out
 
 
 def test_other_submissions_the_submissions_folder_and_the_gradebook_are_not_there(seen):
@@ -143,3 +144,46 @@ def test_the_loopback_is_up_without_iproute2(tmp_path):
     done = subprocess.run(sandbox.command("namespaces", [sys.executable, "-c", talk]), env=env, cwd=box,
                           capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout.strip()) == (0, "ok"), done.stderr
+
+
+ABSENT_LOOK = r"""
+import importlib, json, os, subprocess, sys, sysconfig
+tries = {}
+def attempt(name, how):
+    try:
+        how()
+        tries[name] = "imported"
+    except ImportError as e:
+        tries[name] = str(e)[:200]
+    except Exception as e:
+        tries[name] = f"{type(e).__name__}: {e}"[:200]
+attempt("import", lambda: __import__("statistics"))
+attempt("importlib", lambda: importlib.import_module("statis" + "tics"))
+attempt("another Python's copy", lambda: (sys.path.insert(0, "/usr/lib/python3.11"), __import__("statistics")))
+path = os.path.join(sysconfig.get_paths()["stdlib"], "statistics.py")
+attempt("exec of its file", lambda: exec(open(path).read(), {}))
+attempt("a child process", lambda: subprocess.run([sys.executable, "-c", "import statistics"], check=True,
+                                                  capture_output=True))
+attempt("the course's own", lambda: importlib.import_module("course_lib.chapters.ch04.accumulation"))
+attempt("the course's core", lambda: importlib.import_module("course_lib.device"))
+attempt("the task machinery", lambda: importlib.import_module("course_lib.tooling.task"))
+print(json.dumps(tries))
+"""
+
+
+def test_a_tasks_forbidden_modules_are_absent_however_they_are_imported(tmp_path):
+    """statistics (a fixture task's) and chapter 04's loop: a read-only stand-in over every copy, so no
+    spelling, no other Python's copy, no child process and no exec of the file finds them; what the
+    task does not forbid (the core) and what the task process runs itself stay."""
+    library, box = sandbox.learner_library(tmp_path), tmp_path / "box"
+    box.mkdir()
+    masks = sandbox.absent_modules(("statistics", "course_lib.chapters"), library, tmp_path / "stand-ins", "forbidden")
+    env = {**sandbox.environment(box, "absent", {}, library), **sandbox.namespace_env(box, library, [tmp_path], masks)}
+    done = subprocess.run(sandbox.command("namespaces", [sys.executable, "-c", ABSENT_LOOK]), env=env, cwd=box,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    tries = json.loads(done.stdout.strip().splitlines()[-1])
+    for how in ("import", "importlib", "another Python's copy", "exec of its file", "the course's own"):
+        assert "is not available while this task is judged" in tries[how], (how, tries[how])
+    assert "Error" in tries["a child process"] or "not available" in tries["a child process"]
+    assert tries["the course's core"] == "imported" and tries["the task machinery"] == "imported"

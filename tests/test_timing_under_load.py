@@ -25,11 +25,14 @@ import time
 from pathlib import Path
 
 import pytest
-from test_grader import IMPORT, course_copy, grade, notebook
+from grading_class import IMPORT, notebook
+from test_grader import course_copy, grade
 
 from course_lib.tooling import probes
-from course_lib.tooling.checks import ch00, ch06, timed
-from course_lib.tooling.grading import get_check, judge_response, respond, run_check
+from course_lib.tooling.checkbase import judge_response
+from course_lib.tooling.checks import ch00, ch06, get_check, timed
+from course_lib.tooling.grading import run_check
+from course_lib.tooling.task import respond
 
 ROOT = Path(__file__).resolve().parents[1]
 MEDIAN, TIME_IT = "00.median_step_ms", "06.time_it"
@@ -316,6 +319,8 @@ def both_cores_busy():
             p.wait()
 
 
+@pytest.mark.slow
+@pytest.mark.timing
 def test_the_solutions_pass_inline_with_both_cores_busy():
     with both_cores_busy():
         for _ in range(3):
@@ -336,10 +341,11 @@ def late_run(name: str, timer, late: float = 0.012):
         time.sleep(late)  # and so does the reply
         return reply
 
-    response = respond(check, [check.public(c) for c in cases], {check.args[0]: timer}, host)
+    response = respond(probes.find(name), [timer], [check.public(c) for c in cases], host)
     return check, cases, json.loads(json.dumps(response))
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("name", [MEDIAN, TIME_IT])
 def test_a_grader_that_answers_12_ms_late_both_ways_passes_a_correct_timer_and_no_mistake(name):
     """One run of a correct timer that times every call (warm-ups too) with the grader 12 ms late each
@@ -363,11 +369,13 @@ def test_a_grader_that_answers_12_ms_late_both_ways_passes_a_correct_timer_and_n
         assert status == "failed" and word in message, (word, message)
 
 
+@pytest.mark.timing
 def test_the_time_it_solution_passes_with_the_grader_12_ms_late_both_ways():
     """Its fn() calls of the warm-up run back to back, then one sync(): the pattern the test above lacks."""
     assert judge_response(*late_run(TIME_IT, solution(TIME_IT))) == ("passed", "passed")
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("name", [MEDIAN, TIME_IT])
 def test_a_timer_that_dawdles_between_calls_and_returns_the_mean_fails(name):
     """Each call's window grows by the dawdling on either side, more than timed.TRANSIT_MS: still the mean."""
@@ -376,6 +384,8 @@ def test_a_timer_that_dawdles_between_calls_and_returns_the_mean_fails(name):
     assert status == "failed" and "mean" in message, message
 
 
+@pytest.mark.slow
+@pytest.mark.timing
 def test_the_solutions_pass_through_the_batch_grader_with_both_cores_busy(tmp_path):
     """Two notebooks graded at once (the grader's threads answer each other's asks late) on a machine
     whose cores are both busy: the solutions' timers pass, each in its own kernel, over the grader's channel."""

@@ -5,16 +5,18 @@ A learner meets exactly one name from here, in the exercise notebooks:
     from course_lib.tooling import check
     check("00.choose_precision", choose_precision)
 
-Everything else runs from the command line (the Makefile wraps each):
-  grading    how a check is written (cases / public / host / judge), the inline check()
-  checks/    one module of checks per chapter (ch00.py, ch01.py, ...): inputs and right answers
-  probes/    the kernel side of each task (probes/ch00.py, ...): all a graded kernel sees of a check
-  grader     the batch grader: a folder of submissions in, a gradebook out (make grade)
-  runner     one submission's run: its kernel, its cells, then one task at a time
-  sandbox    where a kernel runs: namespaces holding only the learner library, or a session
-  exercises  exercises/ generated from solutions/ (make exercises)
-  colab      stamps the Colab badge and setup cell into every notebook (make stamp)
-  nbtools    strips outputs, refreshes the outputs nbval compares
+Everything else is for the grader and the course's authors (the Makefile wraps each command):
+  checkbase        what a check is (cases / public / host / judge), the registry, judge_response
+  checks/          one module of checks per chapter (ch00.py, ch01.py, ...): inputs and right answers
+  slicing          which statements of a notebook a task's functions need, read from its source
+  task             the task process: runs those statements, then the probe on each case
+  probes/          the task side of each task (probes/ch00.py, ...): all a task process sees of a check
+  grader/          the judging side: wire (one task judged), sandbox, cli (make grade), classview
+  grading          the inline check(): judged as the grader judges
+  exercises        exercises/ generated from solutions/ (make exercises)
+  colab            stamps the Colab badge and setup cell into every notebook (make stamp)
+  lab              make lab's contents manager; notebook_filter: the git filter make lab installs
+  nbtools          strips outputs, refreshes the outputs nbval compares; site: make site
 """
 
 __all__ = ["check"]

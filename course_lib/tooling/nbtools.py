@@ -53,7 +53,7 @@ CHECK_TAG = "nbval-check-output"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 ROOT = Path(__file__).resolve().parents[2]
 PRINTING_MANIFEST = ROOT / "tests" / "printing_cells.json"
-PRINTING_FOLDERS = ("notebooks", "exercises")  # what `make test` runs under nbval
+PRINTING_FOLDERS = ("notebooks", "exercises", "solutions")  # what `make test` runs under nbval
 REFRESH_PRINTING = "python -m course_lib.tooling.nbtools printing-cells"
 
 

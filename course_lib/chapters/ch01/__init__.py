@@ -9,7 +9,7 @@
 - widgets.py: Interactive explorers for the notebooks, each with a static fallback.
 
 Its exercises are checked by course_lib/tooling/checks/ch01.py; the half of each check that runs
-in the learner's kernel is course_lib/tooling/probes/ch01.py. Imports: the core, and earlier
+in the task process is course_lib/tooling/probes/ch01.py. Imports: the core, and earlier
 chapters only (tests/test_structure.py keeps it so).
 """
 

@@ -9,7 +9,7 @@
 - step_memory.py: A training step's memory, walked through backward and measured: the MLP.
 
 Its exercises are checked by course_lib/tooling/checks/ch02.py; the half of each check that runs
-in the learner's kernel is course_lib/tooling/probes/ch02.py. Imports: the core, and earlier
+in the task process is course_lib/tooling/probes/ch02.py. Imports: the core, and earlier
 chapters only (tests/test_structure.py keeps it so).
 """
 

@@ -9,7 +9,7 @@
 - cnn_memory.py: SimpleCNN's step memory, walked through backward and measured.
 
 Its exercises are checked by course_lib/tooling/checks/ch04.py; the half of each check that runs
-in the learner's kernel is course_lib/tooling/probes/ch04.py. Imports: the core, and earlier
+in the task process is course_lib/tooling/probes/ch04.py. Imports: the core, and earlier
 chapters only (tests/test_structure.py keeps it so).
 """
 

@@ -11,7 +11,7 @@
 - multi.py: Several models, losses and optimizers under one GradScaler: the loops of chapter 05.
 
 Its exercises are checked by course_lib/tooling/checks/ch05.py; the half of each check that runs
-in the learner's kernel is course_lib/tooling/probes/ch05.py. Imports: the core, and earlier
+in the task process is course_lib/tooling/probes/ch05.py. Imports: the core, and earlier
 chapters only (tests/test_structure.py keeps it so).
 """
 

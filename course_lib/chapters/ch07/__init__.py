@@ -6,7 +6,7 @@
   prefetching, seeds.
 
 Its exercises are checked by course_lib/tooling/checks/ch07.py; the half of each check that runs
-in the learner's kernel is course_lib/tooling/probes/ch07.py. Imports: the core, and earlier
+in the task process is course_lib/tooling/probes/ch07.py. Imports: the core, and earlier
 chapters only (tests/test_structure.py keeps it so).
 """
 

@@ -6,7 +6,7 @@
 - distributed.py: real DDP with torchrun, launched from a notebook or a shell, and checked.
 
 Its exercises are checked by course_lib/tooling/checks/ch08.py; the half of each check that runs
-in the learner's kernel is course_lib/tooling/probes/ch08.py. Imports: the core, and earlier
+in the task process is course_lib/tooling/probes/ch08.py. Imports: the core, and earlier
 chapters only (tests/test_structure.py keeps it so).
 """
 

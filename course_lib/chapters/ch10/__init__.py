@@ -9,7 +9,7 @@
 - recorded.py: A recorded GPU run's memory, predicted row by row with CUDA's rules.
 
 Its exercises are checked by course_lib/tooling/checks/ch10.py; the half of each check that runs
-in the learner's kernel is course_lib/tooling/probes/ch10.py. Imports: the core, and earlier
+in the task process is course_lib/tooling/probes/ch10.py. Imports: the core, and earlier
 chapters only (tests/test_structure.py keeps it so).
 """
 

@@ -8,7 +8,7 @@
   computes.
 
 Its exercises are checked by course_lib/tooling/checks/ch11.py; the half of each check that runs
-in the learner's kernel is course_lib/tooling/probes/ch11.py. Imports: the core, and earlier
+in the task process is course_lib/tooling/probes/ch11.py. Imports: the core, and earlier
 chapters only (tests/test_structure.py keeps it so).
 """
 

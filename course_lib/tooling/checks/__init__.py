@@ -1,14 +1,15 @@
 """The exercise checks, one module per chapter (ch00.py, ch01.py, ...).
 
-A chapter's module is imported when its checks are first needed (`load("01")`), so that
-grading chapter 00 does not pay for importing what chapter 02's checks need. Each module
-registers its checks with `course_lib.tooling.grading.register`. The checks ship inside
-course_lib so that `check()` works on Colab, where there is no repository checkout.
+A chapter's module is imported when its checks are first needed (`get_check("01.x")`,
+`checks_for("01")`), so that grading chapter 00 does not pay for importing what chapter 02's
+checks need. Each module registers its checks with `course_lib.tooling.checkbase.register`. The checks
+ship inside course_lib so that `check()` works on Colab, where there is no repository checkout,
+and no sandbox ever sees them (course_lib/tooling/grader/sandbox.py).
 
 Extra check modules outside the package (an instructor's hidden checks, or test fixtures)
 are loaded from the files listed in $COURSE_EXTRA_CHECKS (separated by os.pathsep), by the
 grader and by the inline check() alike. A grading sandbox never sees a check module, these
-included: their kernel side goes in $COURSE_EXTRA_PROBES (course_lib/tooling/probes).
+included: their task side goes in $COURSE_EXTRA_PROBES (course_lib/tooling/probes).
 
 A module that fails to import does not take the other chapters down with it: its error is
 kept in `errors` and reported by `check()` and the grader for that chapter.
@@ -24,7 +25,9 @@ import sys
 import threading
 from pathlib import Path
 
-__all__ = ["errors", "load", "load_file"]
+from ..checkbase import Check, registered
+
+__all__ = ["errors", "load", "load_file", "get_check", "checks_for"]
 
 errors: dict[str, str] = {}  # module or file -> "ExcType: message"
 _loaded: set[str] = set()
@@ -72,3 +75,26 @@ def _load(chapter: str | None) -> None:
     for file in os.environ.get("COURSE_EXTRA_CHECKS", "").split(os.pathsep):
         if file:
             load_file(file)
+
+
+def _errors_for(chapter: str) -> str:
+    return "; ".join(f"{k}: {v}" for k, v in errors.items() if k == f"ch{chapter}" or not k.startswith("ch"))
+
+
+def get_check(name: str) -> Check:
+    """The registered check called `name` (KeyError if there is none)."""
+    load(name.split(".")[0])
+    if name not in registered():
+        problems = _errors_for(name.split(".")[0])
+        why = f" (check modules failed to load: {problems})" if problems else ""
+        raise KeyError(f"there is no check called {name!r}{why}")
+    return registered()[name]
+
+
+def checks_for(chapter: str) -> list[Check]:
+    """The checks of one chapter ('03'), in the order they were registered."""
+    load(chapter)
+    problems = _errors_for(chapter)
+    if problems:  # a half-loaded chapter would grade with missing checks: say so instead
+        raise RuntimeError(f"checks for chapter {chapter} failed to load: {problems}")
+    return [c for c in registered().values() if c.name.startswith(chapter + ".")]

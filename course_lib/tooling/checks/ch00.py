@@ -1,6 +1,6 @@
 """Checks for exercise 00 (setup and hardware). Inputs are drawn fresh by the grader; the
-reference answers are computed in the grader's process (see course_lib.tooling.grading).
-The kernel side is course_lib/tooling/probes/ch00.py."""
+reference answers are computed in the grader's process (see course_lib.tooling.checkbase).
+The task side is course_lib/tooling/probes/ch00.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import statistics
 from time import perf_counter, sleep  # bound now: a learner who patches time.sleep inline sees no duration
 
 from ...device import recommend_precision
-from ..grading import Check, CheckFailure, expect_dict, expect_list, expect_number, register
+from ..checkbase import Check, CheckFailure, expect_dict, expect_list, expect_number, register
 from . import timed
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
@@ -115,7 +115,7 @@ class MedianStepMs(Check):
         if request != {"call": "fn"}:
             raise CheckFailure(f"{self.name} answers only fn's calls, not {request!r}")
         arrival = perf_counter()
-        slept = case.setdefault("_slept_ms", [])  # one entry per call of fn, counted here, not in the kernel
+        slept = case.setdefault("_slept_ms", [])  # one entry per call of fn, counted here, not in the task process
         seconds = case["seconds"]
         sleep(seconds[min(len(slept), len(seconds) - 1)])
         reply = perf_counter()
@@ -135,7 +135,7 @@ class MedianStepMs(Check):
             if len(slept) != w + n:
                 raise CheckFailure(f"{call} called fn {len(slept)} times; expected warmup + iters = {w + n}")
             got = expect_number(expect_dict(r, call, ("ms",))["ms"], f"{call}, the number of ms it returned")
-            # each call as the kernel can have timed it: at least what the grader slept (late wake-ups on a
+            # each call as the task process can have timed it: at least what the grader slept (late wake-ups on a
             # busy machine included), at most that plus the round trip to the grader (see timed.py)
             lo = list(slept)
             windows = [timed.window_ms(case, k, k) for k in range(w + n)]

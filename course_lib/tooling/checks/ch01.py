@@ -1,6 +1,6 @@
 """Checks for exercise 01 (floating-point formats). torch's own conversions are the reference,
 computed in the grader's process; every check draws fresh inputs, so a hard-coded answer fails.
-The kernel side is course_lib/tooling/probes/ch01.py."""
+The task side is course_lib/tooling/probes/ch01.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from ...chapters.ch01.format_limits import overflow_threshold
 from ...chapters.ch01.formats import all_values, bit_string, get_format
-from ..grading import Check, CheckFailure, expect_list, expect_numbers, register
+from ..checkbase import Check, CheckFailure, expect_list, expect_numbers, register
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 

@@ -9,7 +9,7 @@ import torch
 
 from ...chapters.ch02.autocast_dtypes import module_dtypes
 from ...chapters.ch02.autocast_policy import LOW_PRECISION, fake_cuda_available, output_dtype
-from ..grading import Check, CheckFailure, describe_value, expect_dict, expect_list, register
+from ..checkbase import Check, CheckFailure, describe_value, expect_dict, expect_list, register
 from ..probes.ch02 import MYSTERY, STANDARD, build, dtype_of
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name

@@ -1,6 +1,6 @@
 """Checks for exercise 03 (GradScaler). The references run in the grader's process: task 1 drives a
 real torch.amp.GradScaler("cpu") through the overflow pattern it drew, task 2 runs a correct
-unscale-clip-step-update loop on the same model, data and scaler settings it drew. The kernel side
+unscale-clip-step-update loop on the same model, data and scaler settings it drew. The task side
 (what runs the learner's functions) is course_lib/tooling/probes/ch03.py; every answer that comes
 back is checked for its shape and type before it is compared."""
 
@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from ...chapters.ch03.scaler import f32, torch_trajectory
-from ..grading import Check, CheckFailure, expect_dict, expect_list, expect_number, expect_numbers, register
+from ..checkbase import Check, CheckFailure, expect_dict, expect_list, expect_number, expect_numbers, register
 from ..probes.ch03 import BATCH, HIDDEN, IN, OUT, train_steps
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name

@@ -3,7 +3,7 @@
 The grader draws each case as plain data: a model seed and size, micro-batch sizes (ragged in
 some cases), the loss, the precision, the scaler's initial scale (in one fp16 case so large that
 the scaled gradients overflow, so that a correct loop must skip its step and back the scale off).
-The kernel's probe (course_lib/tooling/probes/ch04.py) builds the model and micro-batches, runs the
+The probe (course_lib/tooling/probes/ch04.py) builds the model and micro-batches, runs the
 learner's loop with an optimizer and a scaler that record what they are asked to do, and reports
 each forward's batch size and the autocast state at each backward, step and update. The grader runs
 its own correct loop through the same probe, computes the large batch's gradient in the same
@@ -18,7 +18,7 @@ import random
 import torch
 
 from ...chapters.ch04.accumulation import accumulated_grad
-from ..grading import Check, CheckFailure, expect_dict, expect_list, expect_number, expect_numbers, register
+from ..checkbase import Check, CheckFailure, expect_dict, expect_list, expect_number, expect_numbers, register
 from ..probes.ch04 import DTYPES, LOSSES, build, junk, run_loop
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name

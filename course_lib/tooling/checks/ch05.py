@@ -2,7 +2,7 @@
 
 Graded by behaviour. The grader draws seeds, sizes and scaler settings (the last case's initial
 scale overflows fp16 at first, and in the middle one opt1's gradients often overflow while opt0's
-do not, so each optimizer must skip on its own); the learner's kernel (course_lib/tooling/probes/
+do not, so each optimizer must skip on its own); the task process (course_lib/tooling/probes/
 ch05.py) builds the two models, optimizers, scaler and batches from them, runs the learner's loop
 with its calls recorded, and returns the final parameters, the scale, the steps each optimizer
 really took and the calls, each with the autocast state it ran in. The grader checks the calls
@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...chapters.ch05.multi import amp_mode
-from ..grading import Check, CheckFailure, expect_dict, expect_list, expect_number, expect_numbers, register
+from ..checkbase import Check, CheckFailure, expect_dict, expect_list, expect_number, expect_numbers, register
 from ..probes.ch05 import KINDS, build, flat
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name

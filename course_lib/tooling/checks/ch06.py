@@ -2,8 +2,8 @@
 scenarios, with the chapter's diagnosis (course_lib.chapters.ch06.traces.diagnose_trace) as the reference;
 the timing check hands the learner's helper a fake asynchronous device whose work only ends
 when `sync()` waits for it, so a helper that forgets to synchronize measures nothing. That device
-is the grader (TimeIt.host): the kernel side (course_lib/tooling/probes/ch06.py) only asks it to
-queue work or to wait, so the durations are never in the learner's kernel."""
+is the grader (TimeIt.host): the task side (course_lib/tooling/probes/ch06.py) only asks it to
+queue work or to wait, so the durations are never in the task process."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import statistics
 from time import perf_counter, sleep  # bound now: a learner who patches time.sleep inline sees no duration
 
 from ...chapters.ch06.traces import FIXES, diagnose_trace
-from ..grading import Check, CheckFailure, expect_dict, expect_list, expect_number, register
+from ..checkbase import Check, CheckFailure, expect_dict, expect_list, expect_number, register
 from . import timed
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
@@ -184,7 +184,8 @@ class TimeIt(Check):
     def host(self, case: dict, request: object) -> None:
         """fn() queues one call's work on the fake device; sync() returns once everything queued has run.
 
-        Kept here, not in the kernel (`_device`), with when each ask arrived and was answered (timed.record_ask)."""
+        Kept here, not in the task process (`_device`), with when each ask arrived and was answered
+        (timed.record_ask)."""
         d = _device(case)
         arrival = perf_counter()
         if request == {"call": "fn"}:
@@ -215,7 +216,7 @@ class TimeIt(Check):
         return f"time_it(fn, sync, warmup={case['warmup']}, iters={case['iters']})"
 
     def _calls(self, case: dict) -> tuple[list[float], list[float]]:
-        """(lo, windows) of the timed calls as the kernel can have timed them, from fn() to the end of its
+        """(lo, windows) of the timed calls as the task process can have timed them, from fn() to the end of its
         sync(): at least each one's time on the device as the grader ran it, at most its window, from the
         reply before its fn() to the next fn() (see timed.py)."""
         w, d = case["warmup"], _device(case)
@@ -237,7 +238,7 @@ class TimeIt(Check):
         # the long case first: there every familiar mistake is furthest from the right answer
         for case, r in sorted(zip(cases, results), key=lambda cr: -sum(cr[0]["seconds"])):
             w, n, call, device = case["warmup"], case["iters"], self.describe(case), _device(case)
-            log = device["log"]  # what the grader saw, not what the kernel reports
+            log = device["log"]  # what the grader saw, not what the task process reports
             if log.count("f") != w + n:
                 raise CheckFailure(f"{call} called fn {log.count('f')} times; expected warmup + iters = {w + n}")
             if "s" not in log:

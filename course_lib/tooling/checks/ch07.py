@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from ...chapters.ch07 import data_wait, loading
 from ...data import load_dataset
-from ..grading import Check, CheckFailure, register
+from ..checkbase import Check, CheckFailure, register
 from ..probes.ch07 import KEYS
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
@@ -145,8 +145,8 @@ def reference_settings(case: dict) -> dict:
 
 def inline() -> bool:
     """True where the judge runs in the learner's own kernel (check() in a notebook), False in the batch
-    grader, which judges in its own process (course_lib.tooling.runner is imported there, never by check())."""
-    return "course_lib.tooling.runner" not in sys.modules
+    grader, which judges in its own process (course_lib.tooling.grader.cli is imported there, never by check())."""
+    return "course_lib.tooling.grader.cli" not in sys.modules
 
 
 def machine() -> str:

@@ -5,14 +5,14 @@ group of two around every forward, the model wrapped in DistributedDataParallel,
 all-reduced, the forward computed in the run's autocast dtype, the optimizer steps that ran, the
 GradScaler's skip and back-off at the overflow the harness causes in fp16, the samples each rank
 asked for), then trains the same model in one process on the equivalent large batch and compares
-the parameters (see course_lib.tooling.grading)."""
+the parameters (see course_lib.tooling.checkbase)."""
 
 from __future__ import annotations
 
 import math
 import random
 
-from ..grading import Check, CheckFailure, expect_dict, expect_list, expect_number, register
+from ..checkbase import Check, CheckFailure, expect_dict, expect_list, expect_number, register
 from ..probes.ch08 import WORLD
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name

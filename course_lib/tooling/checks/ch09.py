@@ -10,7 +10,7 @@ Inline (check() in the learner's notebook) the judge prints each round of the me
 ends, on "this machine"; in the batch grader it prints nothing (ch07.say).
 
 09.first_overflow and 09.mfu: property checks on fresh random inputs, answers computed here.
-The kernel side is course_lib/tooling/probes/ch09.py.
+The task side is course_lib/tooling/probes/ch09.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Callable
 
 from ...chapters.ch03.underflow import FP16_MAX  # fp16's largest finite value, as chapter 03 teaches it
 from ...chapters.ch09 import speedup
-from ..grading import Check, CheckFailure, expect_list, register
+from ..checkbase import Check, CheckFailure, expect_list, register
 from .ch07 import in_fresh_process_reporting, machine, reporting, say  # shared with the other measuring check
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name

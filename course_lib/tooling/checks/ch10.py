@@ -10,7 +10,7 @@ import torch
 
 from ...chapters.ch02.saved_tensors import saved_bytes_by_kind
 from ...models import GPT, GPTConfig
-from ..grading import Check, CheckFailure, describe_value, expect_list, register
+from ..checkbase import Check, CheckFailure, describe_value, expect_list, register
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 

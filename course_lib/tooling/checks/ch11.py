@@ -11,7 +11,8 @@ import random
 
 import torch
 
-from ..grading import Check, CheckFailure, describe_value, expect_list, register
+from ...chapters.ch11.fp8 import SCALED_MM_ON_CPU
+from ..checkbase import Check, CheckFailure, describe_value, expect_list, register
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
@@ -77,6 +78,7 @@ def _near(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
 @register
 class FP8Matmul(Check):
     name, args, points = "11.fp8_matmul", ("fp8_matmul",), 3
+    needs_torch = SCALED_MM_ON_CPU["rowwise"]  # the reference: torch._scaled_mm, rowwise too, on the grader's CPU
     hint = (
         "Chapter 11, section 8: scale = 448 / amax (e4m3's largest number over the largest magnitude); "
         "tensorwise: one amax per operand; rowwise: one per row of a and one per column of b. Round a * scale_a "

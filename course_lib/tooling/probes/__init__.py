@@ -1,15 +1,17 @@
-"""The kernel side of the exercise checks: what runs in the learner's kernel, and nothing more.
+"""The task side of the exercise checks: what runs beside the learner's code, and nothing more.
 
-The batch grader gives a submission's sandbox the learner library, this package included, but
-never `course_lib/tooling/checks/`, where the cases are drawn and the right answers computed.
-So everything in here may be read, called or patched by the learner's code without giving an
-answer away: it only builds a task's inputs from the (public part of the) case, runs the
-learner's objects on them, and returns what happened as plain data.
+A task process (course_lib/tooling/task.py) imports the task's probe before the notebook's
+statements run; its sandbox holds the learner library, this package included, but never
+`course_lib/tooling/checks/`, where the cases are drawn and the right answers computed. So nothing
+in here gives an answer away: a probe only builds a task's inputs from the (public part of the)
+case, runs the learner's objects on them, and returns what happened as plain data. A probe takes
+what it records with into names of its own when it is imported (probes/ch04.py), so that a
+notebook that rebinds a torch function later changes nothing it records.
 
 For task "NN.name", the function `name` in `probes/chNN.py` is its probe:
 `name(case, *objects)` with the notebook's objects in the order of the check's `args`. A task
 with no probe calls the learner's first object on the case. A probe may `ask` the grader
-something the kernel must not know in advance (how long a step the grader times should sleep,
+something the task process must not know in advance (how long a step the grader times should sleep,
 chapter 00 and 06): the grader answers with the check's `host` method, in its own process.
 
 Extra probe modules outside the package (an instructor's hidden checks, test fixtures) are

@@ -1,4 +1,4 @@
-"""Kernel side of exercise 00's checks (see course_lib.tooling.probes): no answers, no durations."""
+"""Task side of exercise 00's checks (see course_lib.tooling.probes): no answers, no durations."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Kernel side of exercise 02's checks (see course_lib.tooling.probes): the inputs and models built
+"""Task side of exercise 02's checks (see course_lib.tooling.probes): the inputs and models built
 from a case, and the learner's functions run on them. The references stay in the grader."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Kernel side of exercise 03's checks (GradScaler): run the learner's functions, return plain data.
+"""Task side of exercise 03's checks (GradScaler): run the learner's functions, return plain data.
 
 Nothing here knows a right answer. `update_scale` feeds the learner's rule the overflow pattern
 of a case step by step, with torch's own scaler kernels switched off; `clipped_step` trains the
@@ -9,6 +9,7 @@ case's small network with the learner's step and records what each step left beh
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -22,9 +23,10 @@ _KERNELS = ("_amp_update_scale_", "_amp_foreach_non_finite_check_and_unscale_")
 
 @contextlib.contextmanager
 def _kernels_off() -> Iterator[None]:
-    """While the learner's function runs, torch's own scaler kernels raise (the forbidden-call probe cannot
-    see them: they are C functions of module `torch`, like every other torch function)."""
-    saved = {name: getattr(torch, name) for name in _KERNELS}
+    """While the learner's function runs, GradScaler's own kernels raise, however they are reached
+    (torch._amp_update_scale_, torch.ops.aten..., a GradScaler's update): they are replaced where
+    every call of an operator arrives, in PyTorch's dispatcher, for the CPU and CUDA. The task's
+    other forbidden names (torch.amp, course_lib) are kept out by the task process itself."""
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise RuntimeError(
@@ -32,13 +34,16 @@ def _kernels_off() -> Iterator[None]:
             "function is checked: write the rule yourself"
         )
 
-    for name in _KERNELS:
-        setattr(torch, name, refuse)
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
+        warnings.simplefilter("ignore")
+        for name in _KERNELS:
+            for key in ("CPU", "CUDA"):
+                lib.impl(name, refuse, key)
     try:
         yield
     finally:
-        for name, fn in saved.items():
-            setattr(torch, name, fn)
+        lib._destroy()  # the real kernels again (a task process ends here anyway; run_check goes on)
 
 
 def update_scale(case: dict, learner: Callable) -> object:

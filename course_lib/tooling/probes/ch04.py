@@ -1,4 +1,4 @@
-"""Kernel side of exercise 04's check (gradient accumulation): run the learner's loop, return what it did.
+"""Task side of exercise 04's check (gradient accumulation): run the learner's loop, return what it did.
 
 From the (plain) case, `build` makes the model and the micro-batches, `.grad` is filled with junk
 that must not count, and the learner's `accumulate` runs with an optimizer and a GradScaler that
@@ -24,11 +24,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...train import AMP_DTYPES
+from ...device import AMP_DTYPES
 
 __all__ = ["accumulate", "run_loop", "build", "junk", "DTYPES", "LOSSES"]
 
-DTYPES = AMP_DTYPES  # course_lib.train's map: the one place a precision becomes a dtype
+DTYPES = AMP_DTYPES  # course_lib.device's map: the one place a precision becomes a dtype
 LOSSES = {"cross_entropy": F.cross_entropy, "mse_loss": F.mse_loss}
 
 
@@ -67,8 +67,13 @@ def junk(case: dict) -> torch.Tensor:
     return torch.cat([torch.randn(p.numel(), generator=g) for p in model.parameters()])
 
 
+# Taken when the task process imports this probe, before any learner code runs: a notebook that
+# rebinds torch.is_autocast_enabled (however it names torch) changes nothing recorded here.
+_is_autocast_enabled = torch.is_autocast_enabled
+
+
 def _autocast_on() -> bool:
-    return torch.is_autocast_enabled("cpu")  # the check's models live on the CPU
+    return _is_autocast_enabled("cpu")  # the check's models live on the CPU
 
 
 class _RecordingSGD(torch.optim.SGD):

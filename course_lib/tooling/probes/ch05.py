@@ -1,4 +1,4 @@
-"""Kernel side of exercise 05's check (two models, two losses, two optimizers, one GradScaler).
+"""Task side of exercise 05's check (two models, two losses, two optimizers, one GradScaler).
 
 `fix_two_models` builds the case's two models, optimizers, scaler and batches from its seed, runs
 the learner's loop with its calls recorded (course_lib.chapters.ch05.doctor_recorder.Recorder, which notes the
@@ -84,7 +84,7 @@ def flat(model: nn.Module) -> torch.Tensor:
 
 
 def record_loop(case: dict, loop: Callable, dtype: torch.dtype) -> dict[str, Any]:
-    """Run `loop` on the case with its calls recorded (this patches torch while it runs: kernel side only)."""
+    """Run `loop` on the case with its calls recorded (this patches torch while it runs: in a task process only)."""
     model0, model1, opt0, opt1, scaler, batches = build(case, _UnscaleAutocast)
     with Recorder((model0, model1), (opt0, opt1), scaler, loop) as rec:
         scaler.recorder = rec

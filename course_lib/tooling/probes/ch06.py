@@ -1,4 +1,4 @@
-"""Kernel side of exercise 06's checks (see course_lib.tooling.probes).
+"""Task side of exercise 06's checks (see course_lib.tooling.probes).
 
 time_it's `fn` and `sync` stand for a CUDA launch and torch.cuda.synchronize(): each asks the grader
 (`TimeIt.host`), which queues fn's work for a time only it knows and answers sync when that work has

@@ -1,4 +1,4 @@
-"""Kernel side of exercise 07's check (see course_lib.tooling.probes).
+"""Task side of exercise 07's check (see course_lib.tooling.probes).
 
 The learner's loader_settings gets a machine's description (batch size, one core's load time per
 batch, the model's step time, the cores) and returns DataLoader settings as plain data. The grader

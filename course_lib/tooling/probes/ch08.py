@@ -1,4 +1,4 @@
-"""Kernel side of exercise 08's check (see course_lib.tooling.probes).
+"""Task side of exercise 08's check (see course_lib.tooling.probes).
 
 The learner's `ddp_train` runs for real: the probe writes its source to a file, starts two gloo
 processes under torchrun (`sys.executable -m torch.distributed.run`, on loopback: inside the

@@ -1,4 +1,4 @@
-"""Kernel side of exercise 09's checks (see course_lib.tooling.probes)."""
+"""Task side of exercise 09's checks (see course_lib.tooling.probes)."""
 
 from __future__ import annotations
 

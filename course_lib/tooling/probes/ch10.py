@@ -1,4 +1,4 @@
-"""Kernel side of exercise 10's checks (see course_lib.tooling.probes): the learner's prediction,
+"""Task side of exercise 10's checks (see course_lib.tooling.probes): the learner's prediction,
 called on one case. The measurement and the right answer stay in the grader."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Kernel side of exercise 11's checks (see course_lib.tooling.probes): the learner's fp8_matmul,
+"""Task side of exercise 11's checks (see course_lib.tooling.probes): the learner's fp8_matmul,
 called on one case's operands (fp32 matrices). The reference product stays in the grader."""
 
 from __future__ import annotations

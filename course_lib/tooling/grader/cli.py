@@ -1,11 +1,12 @@
-"""The batch grader: a folder of submitted notebooks in, a gradebook out.
+"""The batch grader: a folder of submitted notebooks in, a gradebook and a class view out.
 
     python -m course_lib.tooling.grader SUBMISSIONS --out GRADEBOOK [--jobs N]      (make grade)
 
-For every submission, this process draws fresh inputs for each task of its chapter, runs the
-notebook and then the learner's functions in a sandbox (course_lib.tooling.sandbox), and judges
-the plain-data answers that come back against references it computes itself
-(course_lib.tooling.grading). What defends what is written in the README, "For instructors".
+For every submission, this process reads the notebook, draws fresh inputs for each task of its
+chapter, and judges each task in a task process of its own (course_lib/tooling/grader/wire.py):
+a fresh sandbox that runs only the statements the task's functions need, with the task's forbidden
+modules absent, then the learner's functions on the inputs; the plain-data answers are judged here
+against references computed here. What holds and what does not: docs/grading.md.
 
 - The file name is the slot: `NN_...ipynb` is graded with chapter NN's checks, whatever its
   metadata says. A student's second notebook for the same chapter is listed as a duplicate.
@@ -14,6 +15,10 @@ the plain-data answers that come back against references it computes itself
   tasks not judged yet. gradebook.csv and gradebook.json are rewritten after every submission.
 - Resumable: a rerun skips submissions already finished in gradebook.jsonl; if the grader itself
   is killed, at most the submissions in flight are graded again (--restart starts afresh).
+- Nothing a notebook does for itself costs it a grade: shell lines, magics, configuration, modules
+  the tasks do not need. What the grader noticed goes in the `notes` column, for the instructor.
+- After the run: GRADEBOOK/class.csv and class.html, per task: passed, failed, not attempted and the
+  most common failure messages (course_lib/tooling/grader/classview.py).
 """
 
 from __future__ import annotations
@@ -36,15 +41,23 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import sandbox, source_rules
-from .grading import Check, checks_for
-from .runner import Attempt, Faults, code_cells, run_submission
+from .. import slicing
+from ..checkbase import Check
+from ..checks import checks_for
+from . import classview, sandbox
+from .wire import Sandboxes, default_limits, judge_task
 
-__all__ = ["grade_folder", "grade_or_record", "find_submissions", "main", "CourseChanged"]
+__all__ = ["grade_folder", "grade_or_record", "find_submissions", "code_cells", "main", "CourseChanged"]
 
-ROOT = Path(__file__).resolve().parents[2]
-CSV_FIELDS = ("student", "notebook", "exercise", "points", "max_points", "passed", "status", "message")
-ADDRESS_SPACE_SLACK = 16 * 2**30  # bytes of address space per process beyond the memory cap
+ROOT = Path(__file__).resolve().parents[3]
+CSV_FIELDS = ("student", "notebook", "exercise", "points", "max_points", "passed", "status", "message", "notes")
+
+
+def code_cells(path: Path) -> list[str]:
+    """The code cells' sources of a notebook file (nbformat 4), read as plain JSON."""
+    cells = json.loads(Path(path).read_text(encoding="utf-8"))["cells"]
+    sources = [c["source"] for c in cells if isinstance(c, dict) and c.get("cell_type") == "code"]
+    return ["".join(s) if isinstance(s, list) else str(s) for s in sources]
 
 
 @dataclass(frozen=True)
@@ -80,7 +93,7 @@ def find_submissions(folder: Path) -> list[Submission]:
     return out
 
 
-def _row(sub: Submission, check: Check | None, passed: bool, status: str, message: str) -> dict:
+def _row(sub: Submission, check: Check | None, passed: bool, status: str, message: str, notes: str = "") -> dict:
     points = check.points if check else 0
     return {
         "student": sub.student,
@@ -91,11 +104,12 @@ def _row(sub: Submission, check: Check | None, passed: bool, status: str, messag
         "passed": passed,
         "status": status,
         "message": _text(message),
+        "notes": _text(notes, 4000),
     }
 
 
 def _text(message: str, limit: int = 2000) -> str:
-    """A message fit for the gradebook: of bounded length, and UTF-8 (a kernel's lone surrogate is not)."""
+    """A message fit for the gradebook: of bounded length, and UTF-8 (a task process's lone surrogate is not)."""
     text = str(message)
     text = text if len(text) <= limit else text[:limit] + " …"
     return text.encode("utf-8", "replace").decode("utf-8")
@@ -178,24 +192,21 @@ def _course_digest(library: Path | None = None) -> str:
 
 @dataclass(frozen=True)
 class Options:
-    cell_timeout: float = 60
-    total_timeout: float = 900
-    memory_gb: float = 6
-    level: str = "namespaces"
-    workspace: Path = Path(tempfile.gettempdir())  # this run's sandboxes and learner library live here
-    library: Path = Path()  # the learner library (sandbox.learner_library)
-    hidden: tuple[Path, ...] = ()  # folders a sandbox must never see: submissions, gradebook
+    cell_timeout: float = 60  # seconds each statement a task needs may run (while the task process loads it)
+    total_timeout: float = 900  # seconds per submission, a backstop
+    boxes: Sandboxes | None = None  # how task processes start (level, learner library, limits)
 
 
 def grade_submission(sub: Submission, opts: Options, book: Gradebook, digest: str) -> list[dict]:
     """Grade one notebook; every judged task is recorded as soon as it is judged. Returns its rows."""
-    if not _unchanged(opts.library, digest):  # another submission changed the course: grade nothing more
+    library = opts.boxes.library
+    if not _unchanged(library, digest):  # another submission changed the course: grade nothing more
         raise CourseChanged(f"the course's files changed before {sub.notebook} was graded")
     run = secrets.token_hex(8)
     rows: list[dict] = []
 
-    def emit(check: Check | None, status: str, message: str) -> None:
-        row = _row(sub, check, status == "passed", status, message)
+    def emit(check: Check | None, status: str, message: str, notes: str = "") -> None:
+        row = _row(sub, check, status == "passed", status, message, notes)
         rows.append(row)
         book.record(sub, run, row)
 
@@ -230,7 +241,7 @@ def grade_submission(sub: Submission, opts: Options, book: Gradebook, digest: st
             for c in checks:
                 if c.name not in judged:  # the tasks judged before it keep their grades
                     emit(c, "not graded", _failed_message(e))
-    if not _unchanged(opts.library, digest):  # only at the session level: the namespaces make it read-only
+    if not _unchanged(library, digest):  # only at the session level: the namespaces make it read-only
         rows = [
             {
                 **r,
@@ -306,102 +317,36 @@ def grade_or_record(sub: Submission, opts: Options, book: Gradebook, digest: str
 
 
 def _run_in_sandbox(sub: Submission, checks: list[Check], opts: Options, emit) -> None:
+    """Each task judged in a task process of its own (wire.judge_task); habits noted, never graded."""
     try:
         cells = code_cells(sub.path)  # reading JSON is safe in this process; running the notebook is not
     except Exception as e:
         for c in checks:
             emit(c, "not graded", f"the file is not a readable notebook ({type(e).__name__}: {str(e)[:150]})")
         return
-    checks = judge_from_source(cells, checks, emit)
-    if not checks:
-        return
+    nb = slicing.read(cells)
+    habits = [f"{note} (noticed, not graded)" for note in nb.habits[:12]]
+    if len(nb.habits) > 12:
+        habits.append(f"and {len(nb.habits) - 12} more shell lines or magics")
     rng = random.Random(secrets.randbits(64))
-    cases = {c.name: c.cases(rng) for c in checks}  # they stay here: the kernel sees one task's public part
-    box = Path(tempfile.mkdtemp(prefix="box-", dir=opts.workspace))
-    token = secrets.token_hex(12)
-    try:
-        env = sandbox.environment(box, token, {}, opts.library)
-        if opts.level == "namespaces":
-            env.update(sandbox.namespace_env(box, opts.library, [opts.workspace, *opts.hidden]))
-        shutil.copy(sub.path, box / "work" / sub.path.name)
-        memory = int(opts.memory_gb * 2**30)  # resident, all its processes together: sandbox.MemoryWatch
-        limits = {
-            # Address space only as a far backstop (torch alone reserves ~3 GB of it), none with CUDA (far more)
-            "as": 0 if _cuda_visible() else memory + ADDRESS_SPACE_SLACK,
-            "cpu": int(opts.total_timeout * 2),
-        }
-
-        def start(faults: Faults) -> Attempt:
-            return Attempt(box, opts.level, env, box / "kernel.log", faults, limits, memory)
-
-        faults = run_submission(
-            box / "work" / sub.path.name,
-            checks,
-            cases,
-            start,
-            opts.cell_timeout,
-            time.monotonic() + opts.total_timeout,
-            emit,
-        )
-        if os.environ.get("AMP_GRADER_DEBUG"):
-            # one write per line: print() writes its parts one by one, and the jobs' threads interleave them
-            sys.stderr.write(f"{sub.notebook} {json.dumps(faults.outcomes)}\n")
-            sys.stderr.flush()
-    finally:
-        shutil.rmtree(box, ignore_errors=True)
-
-
-def judge_from_source(cells: list[str], checks: list[Check], emit) -> list[Check]:
-    """What the grader decides from the notebook's source, in its own process, before its kernel runs
-    (course_lib/tooling/source_rules.py); returns the checks left for the kernel to answer.
-
-    Code that could reach into the grading code in the kernel: no task is graded automatically. A
-    task whose function is still the stub: not attempted. A task whose function reaches a module the
-    task forbids: failed. Nothing the kernel does later can change these."""
-    if os.environ.get("AMP_GRADER_NO_SOURCE_READING") == "1":  # tests of the defences beneath the reading
-        return checks
-    nb = source_rules.read(cells)
-    reaching = source_rules.reaching_code(nb)
-    if reaching:
-        first, more = reaching[0], len(reaching) - 1
-        also = f" (and {more} more place{'s' if more > 1 else ''})" if more else ""
-        for c in checks:
-            emit(
-                c,
-                "not graded",
-                f"{first.where()} uses {first.what}{also}: code that can read or rewrite the grader's own code "
-                "inside your notebook's Python process, so this notebook is not graded automatically. Remove it "
-                "and resubmit, or ask your instructor to grade it by hand",
-            )
-        return []
-    left = []
-    for c in checks:
-        stubs = source_rules.stub_tasks(nb, c.args)
-        found = source_rules.forbidden_use(nb, c.args, tuple(c.forbidden))
-        if stubs:
-            emit(
-                c,
-                "not attempted",
-                f"not attempted yet: `{stubs[0]}` is still the exercise's stub (NotImplementedError)",
-            )
-        elif found is not None:
-            emit(
-                c,
-                "failed",
-                f"{c.args[0]} uses {found.what} ({found.where()}), which this task asks you not to use"
-                + (f": {c.forbidden_why}" if c.forbidden_why else ""),
-            )
-        else:
-            left.append(c)
-    return left
-
-
-def _cuda_visible() -> bool:
-    if "torch" not in sys.modules:
-        return False
-    import torch  # another thread may be importing it (a chapter's checks): this waits until it is whole
-
-    return bool(torch.cuda.is_available())
+    cases = {c.name: c.cases(rng) for c in checks}  # they stay here: a task process sees one task's public part
+    deadline = time.monotonic() + opts.total_timeout
+    for check in checks:
+        if time.monotonic() > deadline:
+            emit(check, "timed out", "your notebook ran past the total time limit before this task was checked")
+            continue
+        try:
+            verdict = judge_task(check, nb, cases[check.name], opts.boxes, opts.cell_timeout, deadline)
+        except OSError as e:  # a task process that could not start: the grader's trouble, not the notebook's
+            _report_failure(sub, e)
+            emit(check, "not graded", "the grader could not start a process for this task: tell your instructor "
+                 "(the grader's log has the details)")  # fmt: skip
+            continue
+        emit(check, verdict.status, verdict.message, "; ".join(habits + verdict.notes))
+    if os.environ.get("AMP_GRADER_DEBUG"):
+        # one write per line: print() writes its parts one by one, and the jobs' threads interleave them
+        sys.stderr.write(f"{sub.notebook} judged {len(checks)} task(s)\n")
+        sys.stderr.flush()
 
 
 def choose_level(requested: str) -> str:
@@ -429,7 +374,7 @@ def grade_folder(
     level = choose_level(isolation)
     if level == "namespaces":
         print(
-            "grader: each submission runs in its own namespaces: no network, no other processes, "
+            "grader: each task runs in its own namespaces: no network, no other processes, "
             "every file read-only except its sandbox"
         )
     else:
@@ -441,15 +386,10 @@ def grade_folder(
         )
     workspace = Path(tempfile.mkdtemp(prefix="amp-grade-"))
     library = sandbox.learner_library(workspace)
-    opts = Options(
-        cell_timeout,
-        total_timeout,
-        memory_gb,
-        level,
-        workspace,
-        library,
-        (Path(submissions).resolve(), Path(out_dir).resolve()),
-    )
+    memory = int(memory_gb * 2**30)  # resident, all of a task's processes together: sandbox.MemoryWatch
+    hidden = (Path(submissions).resolve(), Path(out_dir).resolve())
+    boxes = Sandboxes(level, workspace, library, hidden, memory, default_limits(memory, int(total_timeout * 2)))
+    opts = Options(cell_timeout, total_timeout, boxes)
     book = Gradebook(out_dir, restart)
     subs = find_submissions(submissions)
     todo = [s for s in subs if s.notebook not in book.finished]
@@ -465,6 +405,7 @@ def grade_folder(
         shutil.rmtree(workspace, ignore_errors=True)
     rows = [r for s in subs for r in book.finished.get(s.notebook, [])]
     _print_summary(subs, book, time.monotonic() - started, Path(out_dir))
+    print(classview.write(rows, Path(out_dir)))
     return rows
 
 
@@ -501,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{args.submissions} is not a folder of submissions")
     # A thread answering a timing task's ask waits for the GIL while another grades: 1 ms, not 5 ms, a turn
     sys.setswitchinterval(0.001)
+    if args.jobs > 1:  # task processes side by side: OpenMP threads that spin while they wait slow both 2.5x
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         grade_folder(
             args.submissions,
@@ -516,7 +459,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grader: stopped: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,27 +1,31 @@
-"""Where a submission runs: a sandbox the grader can start, watch and end without trusting it.
+"""Where a learner's code runs: a sandbox the grader can start, watch and end without trusting it.
 
-Two levels, chosen once per grading run (course_lib.tooling.grader says which, at the start):
+Every task of every submission runs in a sandbox of its own, started fresh (its own folder, HOME,
+/tmp: nothing an earlier task or attempt wrote is there). Two levels, chosen once per grading run
+(course_lib.tooling.grader says which, at the start; the inline check() uses the same):
 
 namespaces (Linux with unprivileged user namespaces, the usual case)
-    `unshare` gives the submission its own user, PID, network and mount namespaces. Its file
-    system is built from nothing: a fresh root holding, read-only, the system's programs and
-    libraries, the Python installation and the *learner library* (course_lib without the checks,
-    the grader and this module, the shipped data and any $COURSE_EXTRA_PROBES: `learner_library`);
-    writable, only its own
-    sandbox folder and fresh /tmp and /dev/shm. The course checkout (solutions/, exercises/, the
-    checks), the submissions, the gradebook, the grader's HOME and every other sandbox are not
-    there at all. It sees no process of the machine (so it can kill none, and all of its
-    processes die with it), has no network but its own loopback, and runs with no capabilities,
-    so it cannot mount, remount or leave the root it was given.
+    `unshare` gives the task its own user, PID, network and mount namespaces. Its file system is
+    built from nothing: a fresh root holding, read-only, the system's programs and libraries, the
+    Python installation and the *learner library* (course_lib without the grader's two folders,
+    tooling/checks/ and tooling/grader/, the shipped data and any $COURSE_EXTRA_PROBES:
+    `learner_library`); writable, only its own sandbox folder and fresh /tmp and /dev/shm. The
+    modules the task forbids are not there either: a stand-in that says so is mounted over every
+    copy of them (`absent_modules`). The course checkout (solutions/, exercises/, the checks),
+    the submissions, the gradebook, the grader's HOME and every other sandbox are not there at
+    all. It sees no process of the machine (so it can kill none, and all of its processes die with
+    it), has no network but its own loopback, and runs with no capabilities, so it cannot mount,
+    remount or leave the root it was given.
 session (anywhere else)
     A new session with resource limits, its own HOME/TMPDIR and the learner library first on
     its path. It cannot stop a deliberate attack on the machine: a submission could read or write
-    files the grader's user can, or kill the grader's processes. Every process it started is
-    still killed afterwards, and the checkout is checked for changes after every submission.
-    Grade untrusted submissions at this level only inside a container or a VM.
+    files the grader's user can, or kill the grader's processes, and a forbidden module is kept out
+    only by the task process's import hook. Every process it started is still killed afterwards,
+    and the checkout is checked for changes after every submission. Grade untrusted submissions at
+    this level only inside a container or a VM.
 
 Limits, at both levels. Memory is capped by what the machine really loses: `MemoryWatch`, a thread
-of the grader, sums the resident memory of all the sandbox's processes (the kernel, its DataLoader
+of the grader, sums the resident memory of all the sandbox's processes (the task process, its DataLoader
 workers, anything they start) every 50 ms and kills them all once the sum is over the cap (the
 runner then says so in the task's row). Address space is not capped by it: `import torch` alone
 reserves about 3 GB of it (0.5 GB resident), CUDA far more, so a cap on it failed fair answers;
@@ -31,15 +35,19 @@ sizes; at the namespaces level /tmp and /dev/shm are tmpfs of 1 GiB and 256 MiB.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
 from functools import cache
+from glob import glob
 from pathlib import Path
 
 __all__ = [
@@ -50,23 +58,29 @@ __all__ = [
     "end",
     "learner_library",
     "visible_paths",
+    "absent_modules",
     "MemoryWatch",
 ]
 
-ROOT = Path(__file__).resolve().parents[2]
-# What the learner library leaves out of course_lib: the right answers and the grader's own code.
-NOT_FOR_LEARNERS = ("tooling/checks", "tooling/grader.py", "tooling/sandbox.py", "tooling/runner.py")
+ROOT = Path(__file__).resolve().parents[3]
+# The grader's side lives in two folders, and the learner library is course_lib without them: the
+# right answers (tooling/checks/) and the code that judges (tooling/grader/). A file added to
+# either is kept out of every sandbox by where it lives.
+GRADER_ONLY = ("tooling/checks", "tooling/grader")
+# What the task process itself runs before the learner's code (course_lib/tooling/task.py): never
+# hidden, even for a task that forbids all of course_lib.
+TASK_MACHINERY = ("__init__.py", "tooling/__init__.py", "tooling/task.py", "tooling/probes")
 
 # Runs as PID 1 of the new namespaces, as root of the new user namespace (the caller's own user
 # outside it). Builds the sandbox's root in $AMP_NEW_ROOT: a tmpfs with read-only bind mounts of
 # the paths in $AMP_READ_ONLY (one per line), a few device nodes, its own /proc, empty /tmp and
-# /dev/shm, and the sandbox folder writable at its own path (the grader talks to the kernel over
-# unix sockets in it). Then pivot_root into it, detach the old root, and run the command with
-# every capability dropped: nothing inside can mount, remount or reach the old root again.
+# /dev/shm, the sandbox folder writable at its own path, and the stand-ins of forbidden modules
+# over their files. Then pivot_root into it, detach the old root, and run the command with every
+# capability dropped: nothing inside can mount, remount or reach the old root again.
 _NS_SCRIPT = r"""set -e
 # The loopback up (two DDP ranks of one submission talk over it), by the ioctl that `ip link set lo
 # up` makes: bare GPU images have no iproute2, and a sandbox there had no loopback at all.
-"$AMP_PYTHON" -c 'import fcntl, socket, struct
+"$AMP_PYTHON" -I -S -c 'import fcntl, socket, struct
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 flags = struct.unpack("16sH22x", fcntl.ioctl(s, 0x8913, struct.pack("16sH22x", b"lo", 0)))[1]  # SIOCGIFFLAGS
 fcntl.ioctl(s, 0x8914, struct.pack("16sH22x", b"lo", flags | 1))'  # SIOCSIFFLAGS, IFF_UP
@@ -89,6 +103,12 @@ printf '%s
   if [ -d "$path" ]; then mkdir -p "$new$path"; else mkdir -p "$new$(dirname "$path")"; touch "$new$path"; fi
   mount --rbind "$path" "$new$path"
   mount -o remount,bind,ro "$new$path"
+done
+# The modules the task forbids: a read-only stand-in over every copy ("target<TAB>stand-in" per line).
+printf '%s\n' "$AMP_MASKS" | while IFS='	' read -r target stand_in; do
+  if [ -z "$target" ] || [ ! -e "$new$target" ]; then continue; fi
+  mount --bind "$stand_in" "$new$target"
+  mount -o remount,bind,ro "$new$target"
 done
 mount -t sysfs -o ro,nosuid,nodev,noexec sysfs "$new/sys" || true  # a fresh one: no cgroup files
 mkdir -p "$new$AMP_SANDBOX_DIR"
@@ -133,17 +153,17 @@ try:
     raise AssertionError("network")
 except OSError:
     pass
-import course_lib.tooling.grading  # the learner library imports
+import course_lib.tooling.task  # the learner library imports
 print("isolated")
 """
 
 
 def learner_library(dest: Path) -> Path:
-    """Copy what a learner may read into dest/course: course_lib without the checks and the
-    grader's code, and the shipped data (not the GPU references: nothing there is an answer, but
+    """Copy what a learner may read into dest/course: course_lib without the grader's two folders
+    (GRADER_ONLY), and the shipped data (not the GPU references: nothing there is an answer, but
     nothing there is needed either). Returns dest/course, to put first on the sandbox's path."""
     course = Path(dest) / "course"
-    skip = {ROOT / "course_lib" / part for part in NOT_FOR_LEARNERS}
+    skip = {ROOT / "course_lib" / part for part in GRADER_ONLY}
 
     def ignore(folder: str, names: list[str]) -> list[str]:
         return [n for n in names if n == "__pycache__" or Path(folder, n) in skip]
@@ -223,8 +243,10 @@ def available() -> bool:
     return out.returncode == 0 and "isolated" in out.stdout
 
 
-def namespace_env(box: Path, library: Path, hidden: list[Path]) -> dict[str, str]:
-    """The variables _NS_SCRIPT reads: where to build the root, what to show, where to start."""
+def namespace_env(
+    box: Path, library: Path, hidden: list[Path], masks: list[tuple[str, str]] | None = None
+) -> dict[str, str]:
+    """The variables _NS_SCRIPT reads: where to build the root, what to show and to hide, where to start."""
     (box / ".root").mkdir(exist_ok=True)
     devices = " ".join(d for d in sorted(os.listdir("/dev")) if d.startswith("nvidia")) if os.path.isdir("/dev") else ""
     return {
@@ -232,9 +254,100 @@ def namespace_env(box: Path, library: Path, hidden: list[Path]) -> dict[str, str
         "AMP_SANDBOX_DIR": str(box),
         "AMP_WORKDIR": str(box / "work"),
         "AMP_READ_ONLY": "\n".join(visible_paths(library, hidden)),
+        "AMP_MASKS": "\n".join(f"{target}\t{stand_in}" for target, stand_in in masks or []),
         "AMP_DEVICES": devices,
         "AMP_PYTHON": sys.executable,
     }
+
+
+def _search_folders() -> list[Path]:
+    """Where a Python on this machine could find a module: this Python's path and standard library,
+    and every Python installation under /usr, /usr/local and /opt (another Python's copy of a module
+    is as good as this one's to a learner who puts its folder on sys.path)."""
+    found = [*sys.path, *(sysconfig.get_paths().get(k, "") for k in ("stdlib", "platstdlib", "purelib", "platlib"))]
+    for top in ("/usr/lib", "/usr/local/lib", "/usr/lib64", "/opt"):
+        for pattern in ("python3*", "python3*/lib-dynload", "python3*/site-packages", "python3*/dist-packages",
+                        "python3/dist-packages", "*/lib/python3*/site-packages"):  # fmt: skip
+            found += glob(os.path.join(top, pattern))
+    out: list[Path] = []
+    for folder in found:
+        path = Path(os.path.realpath(folder)) if folder else None
+        if path is not None and path.is_dir() and path not in out:
+            out.append(path)
+    return out
+
+
+@cache
+def _copies(top: str) -> list[Path]:
+    """Every file or package of a top-level module `top` in the search folders."""
+    copies = []
+    spec = importlib.util.find_spec(top) if top.isidentifier() else None
+    if spec is not None and spec.origin and spec.origin not in ("built-in", "frozen"):
+        origin = Path(os.path.realpath(spec.origin))
+        copies.append(origin.parent if origin.name == "__init__.py" else origin)
+    for folder in _search_folders():
+        for candidate in [folder / top, folder / f"{top}.py", *folder.glob(f"{top}.*.so"), folder / f"{top}.so"]:
+            real = Path(os.path.realpath(candidate))
+            if candidate.exists() and real not in copies:
+                copies.append(real)
+    return copies
+
+
+def _inside_library(prefix: str, library: Path) -> list[Path]:
+    """The files and folders of the learner library's course_lib that make up module `prefix`,
+    leaving out the task process's own (TASK_MACHINERY), which it imports before the learner's code."""
+    package = Path(library) / "course_lib"
+    parts = prefix.split(".")[1:]
+    target = package.joinpath(*parts) if parts else package
+    target = target if target.is_dir() else target.with_suffix(".py")
+    keep = [package / k for k in TASK_MACHINERY]
+    out, todo = [], [target] if target.exists() else []
+    while todo:
+        path = todo.pop()
+        if any(path == k for k in keep):
+            continue
+        if any(_inside(k, path) for k in keep):  # holds something the task process needs: go inside
+            todo += [c for c in path.iterdir() if c.name != "__pycache__"]
+        else:
+            out.append(path)
+    return out
+
+
+def absent_modules(prefixes: tuple[str, ...], library: Path, stand_ins: Path, why: str) -> list[tuple[str, str]]:
+    """(what to hide, the stand-in mounted over it) for each module a task forbids: every copy a
+    Python here could import (`_copies`), and in the learner library the module itself. A dotted
+    module outside course_lib (`torch.amp`) cannot be hidden without its package: it is left to the
+    task process's import hook."""
+    from ..task import ABSENT
+
+    masks: list[tuple[str, str]] = []
+    for prefix in prefixes:
+        top = prefix.split(".")[0]
+        if top == "course_lib":
+            paths = _inside_library(prefix, library)
+        elif "." in prefix:
+            continue
+        else:
+            paths = _copies(top)
+        message = f"raise ImportError({f'{prefix} {ABSENT}: {why}'!r})\n"
+        for path in paths:
+            stand_in = _stand_in(stand_ins, message, package=path.is_dir())
+            masks.append((str(path), str(stand_in)))
+    return masks
+
+
+def _stand_in(folder: Path, message: str, package: bool) -> Path:
+    """A module, or a package, whose import raises `message` (one per text, shared by a run's tasks)."""
+    name = hashlib.sha256(message.encode()).hexdigest()[:16]
+    path = Path(folder) / (f"pkg-{name}" if package else f"mod-{name}.py")
+    if not path.exists():
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        if package:
+            path.mkdir()
+            (path / "__init__.py").write_text(message)
+        else:
+            path.write_text(message)
+    return path
 
 
 def environment(sandbox: Path, token: str, extra: dict[str, str], library: Path) -> dict[str, str]:
@@ -247,9 +360,6 @@ def environment(sandbox: Path, token: str, extra: dict[str, str], library: Path)
         "HOME": str(home),
         "TMPDIR": str(sandbox / "tmp"),
         "IPYTHONDIR": str(home / ".ipython"),
-        "JUPYTER_CONFIG_DIR": str(home / ".jupyter"),
-        "JUPYTER_DATA_DIR": str(home / ".local/share/jupyter"),
-        "JUPYTER_RUNTIME_DIR": str(sandbox / "run"),
         "MPLCONFIGDIR": str(home / ".config/matplotlib"),
         "XDG_CACHE_HOME": str(home / ".cache"),
         "MPLBACKEND": "Agg",
@@ -260,7 +370,7 @@ def environment(sandbox: Path, token: str, extra: dict[str, str], library: Path)
         "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONUNBUFFERED": "1",
     }
-    for key in ("CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH"):
+    for key in ("CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "OMP_WAIT_POLICY"):
         if os.environ.get(key) is not None:
             env[key] = os.environ[key]
     root = ROOT.resolve()
@@ -271,11 +381,17 @@ def environment(sandbox: Path, token: str, extra: dict[str, str], library: Path)
     ]
     env["PYTHONPATH"] = os.pathsep.join([str(library), *kept])
     env["COURSE_DATA_DIR"] = str(Path(library) / "data")
-    probes = [str(Path(library) / "extra_probes" / f.name) for f in _extra_probes()]
-    if probes:  # an instructor's probes, copied into the learner library: their checks stay outside
+    probes = []
+    for file in _extra_probes():  # an instructor's probes, copied into the learner library: their checks stay outside
+        copy = Path(library) / "extra_probes" / file.name
+        if not copy.exists():  # $COURSE_EXTRA_PROBES named it after the library was made (the inline check's)
+            copy.parent.mkdir(exist_ok=True)
+            shutil.copy(file, copy)
+        probes.append(str(copy))
+    if probes:
         env["COURSE_EXTRA_PROBES"] = os.pathsep.join(probes)
     env.update(extra)
-    for d in ("home", "tmp", "run", "work"):
+    for d in ("home", "tmp", "work"):
         (sandbox / d).mkdir(parents=True, exist_ok=True)
     return env
 
@@ -292,7 +408,7 @@ def command(level: str, argv: list[str], limits: dict[str, int] | None = None) -
 
 
 def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: if the grader dies, the kernel kills this child
+    # Runs in the child between fork and exec: if the grader dies, the kernel (Linux's) kills this child
     # (at the namespaces level that ends the whole namespace). Linux only; elsewhere a no-op.
     if _PRCTL is not None:
         _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -457,7 +573,7 @@ class MemoryWatch:
                 used = sum(_proportional(pid) for pid in members)
                 exact_at, next_exact = (resident, used), began + max(0.25, 5 * (time.monotonic() - began))
                 if used > self.cap:
-                    self.killed = used  # said before the kill: the runner reads it once the kernel is dead
+                    self.killed = used  # said before the kill: the grader reads it once the process is dead
                     self._kill(members)
                     return
             self._stop.wait(self.interval)
