@@ -5,31 +5,42 @@ PYTHON ?= python3
 VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
-# pytest arguments shared by the CPU and the GPU tier: library tests + every teaching and
-# exercise notebook executed by nbval cell by cell, as Run All would (stored outputs are
-# compared only in nbval-check-output cells, after tests/nbval_sanitize.cfg; conftest.py hides
-# CUDA in the CPU tier). The solution notebooks are executed once, by the batch grader in
-# tests/test_grader.py, which fails on any cell that raises and on any task short of full marks:
-# nbval would run them twice.
+# pytest arguments shared by the CPU and the GPU tier: library tests + every teaching, exercise and
+# solution notebook executed by nbval cell by cell, as Run All would (stored outputs are compared
+# only in nbval-check-output cells, after tests/nbval_sanitize.cfg; conftest.py hides CUDA in the
+# CPU tier). The solutions' inline checks stay silent there: the batch grader judges every
+# solution's tasks, once, in tests/test_grader.py. Every run ends with its 20 slowest tests.
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=600 --nbval-sanitize-with tests/nbval_sanitize.cfg
-SUITE  := tests notebooks exercises
+SUITE  := tests notebooks exercises solutions
+DURATIONS := --durations=20
+# Two test processes (pytest-xdist), each taking whole files, so that a notebook's cells run in
+# order in one kernel and a module's fixtures are made once: while one waits (a kernel starting, a
+# process group meeting, a grader's time limit), the other works. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+WORKERS := -n $(TEST_WORKERS) --dist loadfile
 LAB_ARGS ?=
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.
 LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: help venv lab update test test-gpu test-floor bench site exercises check-exercises stamp grade clean
+.PHONY: help venv lab update test test-fast test-chapter test-under-load test-gpu test-floor bench site exercises stamp grade clean
 
 help:
-	@echo "make lab        open JupyterLab on the course (creates .venv on first use)"
-	@echo "make update     git pull the course's newest version, keeping your outputs and answers"
-	@echo "make test       run every test: library, notebooks (nbval), grading, exercises in sync"
-	@echo "make test-gpu   the same suite with the current python3 and the GPU cells forced on"
-	@echo "make test-floor library tests and chapters on the LOWEST torch/torchvision pyproject.toml allows (.venv-floor)"
-	@echo "make bench      FP32 / TF32 / AMP table for this machine (python -m course_lib.chapters.ch00.bench)"
-	@echo "make site       the published edition: every chapter and exercise as HTML with its outputs, in build/site/"
-	@echo "make exercises  regenerate exercises/ from solutions/"
-	@echo "make stamp      write the Colab badge and setup cell (from pyproject.toml) into every notebook"
+	@echo "make help             this list"
+	@echo "make lab              open JupyterLab on the course (creates .venv on first use)"
+	@echo "make venv             only set up .venv (make lab and make test do it themselves)"
+	@echo "make update           git pull the course's newest version, keeping your outputs and answers"
+	@echo "make test             run every test: library, notebooks (nbval), grading, exercises in sync"
+	@echo "make test-fast        library and chapter-module tests: no notebooks, no batch grading (a few minutes)"
+	@echo "make test-chapter N=07  one chapter: its notebooks, its tests, its solution and exercise through the grader"
+	@echo "make test-under-load  the tests whose verdict reads a clock, with every core kept busy (tools/under_load.py)"
+	@echo "make test-gpu         the same suite as make test with the current python3 and the GPU cells forced on"
+	@echo "make test-floor       library tests and chapters on the LOWEST torch/torchvision pyproject.toml allows (.venv-floor)"
+	@echo "make bench            FP32 / TF32 / AMP table for this machine (python -m course_lib.chapters.ch00.bench)"
+	@echo "make site             the published edition: every chapter and exercise as HTML with its outputs, in build/site/"
+	@echo "make exercises        regenerate exercises/ from solutions/"
+	@echo "make stamp            write the Colab badge and setup cell (from pyproject.toml) into every notebook"
 	@echo "make grade SUBMISSIONS=dir [GRADEBOOK=dir] [JOBS=n]   grade a folder of submissions (resumes)"
+	@echo "make clean            remove .venv, .venv-floor, build/ (executed copies, the edition), runs/, gradebook/"
 
 # The install is redone only when pyproject.toml changes. torch and torchvision are floors:
 # pip picks a pair that imports (a fresh venv gets the newest matching pair).
@@ -78,12 +89,29 @@ test: $(STAMP)
 	$(VPY) -m course_lib.device
 	$(VPY) -m ruff check .
 	$(VPY) -m ruff format --check course_lib
-	$(VPY) -m pytest $(SUITE) $(NBVAL)
+	$(VPY) -m pytest $(SUITE) $(NBVAL) $(WORKERS) $(DURATIONS)
+
+# A contributor's way in: the library and chapter-module tests, without the notebooks, the batch
+# grader and the other tests marked slow (pyproject.toml's markers).
+test-fast: $(STAMP)
+	$(VPY) -m pytest tests -m "not slow" $(WORKERS) $(DURATIONS)
+
+# One chapter (N=07): its notebook, exercise and solution (nbval), the tests of its modules and
+# checks (found by tools/chapter_tests.py), its solution and exercise through the batch grader.
+N ?=
+test-chapter: $(STAMP)
+	@test -n "$(N)" || { echo "usage: make test-chapter N=07"; exit 2; }
+	$(VPY) -m pytest $$($(VPY) tools/chapter_tests.py $(N)) $(NBVAL) --chapter $(N) $(WORKERS) $(DURATIONS)
+
+# The tests marked `timing` (their verdict reads a clock), with a busy process on every core:
+# each must pass on a loaded machine, as CI's and a learner's often are.
+test-under-load: $(STAMP)
+	$(VPY) tools/under_load.py
 
 # GPU tier (docs/gpu.md): no venv, no network; cells tagged `gpu` must run.
 test-gpu:
 	python3 -m course_lib.device
-	COURSE_GPU_TIER=1 python3 -m pytest $(SUITE) $(NBVAL) -p no:cacheprovider
+	COURSE_GPU_TIER=1 python3 -m pytest $(SUITE) $(NBVAL) $(DURATIONS) -p no:cacheprovider
 
 # The declared floor, tested: a second venv with exactly the lowest torch and torchvision that
 # pyproject.toml allows (read from it by tools/floor_constraints.py, so raising a floor moves
@@ -99,7 +127,7 @@ $(FLOOR_STAMP): pyproject.toml tools/floor_constraints.py
 	@test -x $(FLOOR_VPY) || $(PYTHON) -m venv $(FLOOR_VENV)
 	$(PYTHON) tools/floor_constraints.py pyproject.toml > $(FLOOR_VENV)/floor-constraints.txt
 	$(FLOOR_VPY) -m pip install -q --upgrade pip
-	$(FLOOR_VPY) -m pip install -q -c $(FLOOR_VENV)/floor-constraints.txt -e ".[lab,test]"
+	$(FLOOR_VPY) -m pip install -q -c $(FLOOR_VENV)/floor-constraints.txt -e ".[lab,test,site]"
 	@$(FLOOR_VPY) -c "import torch, torchvision; print('floor: torch', torch.__version__, 'torchvision', torchvision.__version__)"
 	@touch $(FLOOR_STAMP)
 
@@ -107,7 +135,7 @@ $(FLOOR_STAMP): pyproject.toml tools/floor_constraints.py
 # failures out of .pytest_cache, which belongs to .venv's runs (pytest --lf).
 test-floor: $(FLOOR_STAMP)
 	$(FLOOR_VPY) -m course_lib.device
-	$(FLOOR_VPY) -m pytest $(FLOOR_SUITE) $(NBVAL) -p no:cacheprovider
+	$(FLOOR_VPY) -m pytest $(FLOOR_SUITE) $(NBVAL) $(WORKERS) $(DURATIONS) -p no:cacheprovider
 
 bench: $(STAMP)
 	$(VPY) -m course_lib.chapters.ch00.bench
@@ -135,4 +163,4 @@ grade: $(STAMP)
 	$(VPY) -m course_lib.tooling.grader $(SUBMISSIONS) --out $(GRADEBOOK) --jobs $(JOBS)
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache runs gradebook
+	rm -rf $(VENV) $(FLOOR_VENV) .pytest_cache runs gradebook build

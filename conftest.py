@@ -18,9 +18,14 @@ the git filter `make lab` configures (course_lib/tooling/notebook_filter.py): th
 compared cells printed here, stored as the filter stores them, must be its committed bytes.
 The published edition: each notebook that ran to its end is saved with its outputs to
 build/executed/ (course_lib/tooling/site.py), so `make site` publishes this run without a second one.
+No data dumps: a cell whose result or display has a text/plain of more than DATA_DUMP_LINES lines or
+DATA_DUMP_CHARS characters (a returned list of records, say) fails the session, named by notebook and
+cell, and its notebook is not saved to build/executed/. A trailing `;` does not hide a result here:
+IPython reads it from the input history, and nbval runs cells with store_history=False.
 """
 from __future__ import annotations
 
+import json
 import os
 from collections import defaultdict
 
@@ -37,6 +42,8 @@ _silence: dict = {}  # what the printing check found, for the terminal summary
 _checked_outputs: dict = {}  # notebook path -> {cell index: what an nbval-check-output cell printed here}
 _modified_after_run: list[str] = []  # notebooks that git would list as changed after a learner's Run All
 _executed: dict = {}  # notebook path -> (the notebook, {cell index: its outputs here}), for `make site`
+DATA_DUMP_LINES, DATA_DUMP_CHARS = 200, 20_000  # a displayed text/plain beyond either is a data dump
+_data_dumps: list[str] = []  # one line per dumping cell: fails the session
 
 
 def _cuda_available() -> bool:
@@ -78,6 +85,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="rewrite the printing-cells manifest for the notebooks whose code cells all ran (CPU tier)")
     parser.addoption("--printing-cells-manifest", default="tests/printing_cells.json", metavar="PATH",
                      help="the manifest of code cells that print, from the repository root (default: %(default)s)")
+    parser.addoption("--chapter", default=None, metavar="NN",
+                     help="make test-chapter N=NN: also grade chapter NN's solution and exercise (marked per_chapter)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked per_chapter run only for the chapter --chapter names (make test-chapter): `make test`
+    grades every chapter at once elsewhere (tests/test_grader.py)."""
+    chapter = config.getoption("--chapter")
+    keep, drop = [], []
+    for item in items:
+        marker = item.get_closest_marker("per_chapter")
+        params = getattr(item, "callspec", None)
+        if marker is None or (chapter and params is not None and params.params.get("chapter") == chapter):
+            keep.append(item)
+        else:
+            drop.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -86,14 +112,29 @@ def pytest_configure(config: pytest.Config) -> None:
     # draw fails its cell, and the published edition (build/executed/) gets the plots.
     os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     os.environ.setdefault("COURSE_OFFLINE", "1")  # notebooks' kernels: the data loader never downloads
+    if hasattr(config, "workerinput"):  # an xdist worker (make test: -n 2), its kernels and subprocesses
+        # Two workers share the cores: torch's OpenMP threads that spin while they wait (the default)
+        # then take turns with the other worker's and run 2.5 times slower; waiting asleep, 2 times.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if not GPU_TIER:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU tier runs what a learner without a GPU runs
     elif config.getoption("--update-printing-cells"):
         raise pytest.UsageError("--update-printing-cells records the CPU tier's outputs; unset COURSE_GPU_TIER")
+    if config.getoption("--update-printing-cells") and getattr(config.option, "numprocesses", None):
+        raise pytest.UsageError("--update-printing-cells rewrites one manifest: run it without -n (one process)")
     _refuse_remote_connections()
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    # Before a notebook's kernel starts (it inherits this environment): the solutions' inline checks
+    # stay silent, since the batch grader judges every solution's tasks (tests/test_grader.py).
+    path = item.nodeid.split("::")[0]
+    if path.endswith(".ipynb"):
+        if path.startswith("solutions/"):
+            os.environ["AMP_COURSE_SILENT_CHECKS"] = "1"
+        else:
+            os.environ.pop("AMP_COURSE_SILENT_CHECKS", None)
     if GPU_TIER and _is_gpu_cell(item) and not _cuda_available():
         pytest.fail("GPU tier (COURSE_GPU_TIER=1) but torch.cuda.is_available() is False", pytrace=False)
 
@@ -184,69 +225,164 @@ def _judge_printing_cells(config: pytest.Config) -> bool:
     return bool(silent)
 
 
-def _save_executed_notebooks() -> None:
-    """Hand each notebook that ran to its end to the published edition (build/executed/)."""
-    import sys
+def _data_dumps_in(path: str, nb, outputs: dict[int, list]) -> list[str]:
+    """The cells of `nb` whose result or display shows a data dump as text/plain, one line each."""
+    found = []
+    for index, outs in sorted(outputs.items()):
+        for out in outs:
+            text = out.get("data", {}).get("text/plain", "") if out.get("output_type") in (
+                "execute_result", "display_data") else ""
+            text = "".join(text) if isinstance(text, list) else text
+            lines = text.count("\n") + 1
+            if lines > DATA_DUMP_LINES or len(text) > DATA_DUMP_CHARS:
+                cell = nb.cells[index]
+                first = next((line for line in cell.source.splitlines() if line.strip()), "")[:80]
+                found.append(f"{path}, cell {index} (id {cell.get('id')}): its {out['output_type']} shows "
+                             f"{lines:,} lines, {len(text):,} characters (over {DATA_DUMP_LINES} lines or "
+                             f"{DATA_DUMP_CHARS:,} characters); the cell's first line: {first!r}")
+    return found
 
-    from course_lib.tooling.site import save_executed
+
+def _save_executed_notebooks() -> None:
+    """Hand each notebook that ran to its end to the published edition (build/executed/), unless a
+    cell of it shows a data dump: that fails the session, and the notebook's copy is removed."""
+    import sys
+    from pathlib import Path
+
+    from course_lib.tooling.site import EXECUTED, ROOT, save_executed
 
     target = "make test-gpu" if GPU_TIER else "make test-floor" if ".venv-floor" in sys.prefix else "make test"
     command = f"{target} (nbval)"
     for path, (nb, outputs) in sorted(_executed.items()):
-        save_executed(path, nb, outputs, command)
+        dumps = _data_dumps_in(path, nb, outputs)
+        _data_dumps.extend(dumps)
+        if Path(path).parts[0] not in ("notebooks", "exercises", "solutions"):
+            continue  # a test's own small notebook (tests/test_printing_cells.py): no page of the edition
+        if not dumps:
+            save_executed(path, nb, outputs, command)
+        else:  # an older copy would no longer match what ran (the path as save_executed reads it)
+            rel = Path(path).resolve().relative_to(ROOT) if Path(path).is_absolute() else Path(path)
+            (EXECUTED / rel).unlink(missing_ok=True)
+
+
+def _report(config: pytest.Config) -> dict:
+    """What this process saw of the notebooks, as plain data: printed by the terminal summary, and
+    sent to the controller by each xdist worker (`make test` runs with `-n 2`)."""
+    from course_lib.tooling.nbtools import silence_report
+
+    where = config.getoption("--printing-cells-manifest")
+    silence = dict(_silence)
+    if silence.get("silent"):
+        silence["silent"] = silence_report(silence["silent"], where)
+    over = [p for p, rss in _peak_rss.items() if rss > NOTEBOOK_MEMORY_BUDGET]
+    return {
+        "durations": dict(_durations),
+        "peak_rss": dict(_peak_rss),
+        "gpu": {k: len(v) for k, v in _gpu_cells.items()},
+        "dumps": list(_data_dumps),
+        "modified": list(_modified_after_run),
+        "complete": sum(run.complete for run in _cell_runs.values()),
+        "silence": silence,
+        "failed": bool(over or silence.get("silent") or _modified_after_run or _data_dumps
+                       or (GPU_TIER and _gpu_cells.get("skipped"))),
+    }
+
+
+_reports: list[dict] = []  # the xdist controller's: one report per worker
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if _executed:
         _save_executed_notebooks()
-    over = [p for p, rss in _peak_rss.items() if rss > NOTEBOOK_MEMORY_BUDGET]
-    went_silent = bool(_cell_runs) and _judge_printing_cells(session.config)
+    if _cell_runs:
+        _judge_printing_cells(session.config)
     _modified_after_run.extend(p for p, run in sorted(_cell_runs.items()) if run.complete
                                and _git_sees_a_change_after_run_all(p))
-    if over or went_silent or _modified_after_run or (GPU_TIER and _gpu_cells.get("skipped")):
+    report = _report(session.config)
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: the controller sums up and decides
+        session.config.workeroutput["amp_course"] = json.dumps(report)
+    reports = _reports or [report]
+    if any(r["failed"] for r in reports):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """xdist's controller: a worker's report of the notebooks it ran."""
+    data = getattr(node, "workeroutput", {}).get("amp_course")
+    if data:
+        _reports.append(json.loads(data))
+
+
+def _merged() -> dict:
+    """The reports of every process that ran tests (one without xdist), as one."""
+    reports = _reports or []
+    if not reports:
+        return {}
+    out = {"durations": {}, "peak_rss": {}, "gpu": defaultdict(int), "dumps": [], "modified": [], "complete": 0,
+           "silence": {"silent": [], "judged": [], "unlisted": {}, "updated": [], "partial": []}}
+    for r in reports:
+        out["durations"].update(r["durations"])
+        out["peak_rss"].update(r["peak_rss"])
+        for k, v in r["gpu"].items():
+            out["gpu"][k] += v
+        out["dumps"] += r["dumps"]
+        out["modified"] += r["modified"]
+        out["complete"] += r["complete"]
+        for k in ("silent", "judged", "updated", "partial"):
+            out["silence"][k] += r["silence"].get(k, [])
+        out["silence"]["unlisted"].update(r["silence"].get("unlisted", {}))
+    if not any("updated" in r["silence"] for r in reports):
+        del out["silence"]["updated"]
+    return out
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     tr = terminalreporter
-    if _durations:
+    r = _merged() or _report(config)
+    if r["durations"]:
         tr.section("notebooks: execution time and kernel peak memory")
-        for path, seconds in sorted(_durations.items()):
-            rss = _peak_rss.get(path, 0)
+        for path, seconds in sorted(r["durations"].items()):
+            rss = r["peak_rss"].get(path, 0)
             flags = (" OVER THE 2-MINUTE BUDGET" if seconds > NOTEBOOK_TIME_BUDGET_S else "") + \
                     (" OVER THE 4 GB BUDGET (fails the run)" if rss > NOTEBOOK_MEMORY_BUDGET else "")
             tr.write_line(f"{seconds:7.1f} s {rss / 2**30:6.2f} GiB  {path}{flags}")
-    ran = len(_gpu_cells.get("passed", [])) + len(_gpu_cells.get("failed", []))
-    skipped = len(_gpu_cells.get("skipped", []))
+    ran = r["gpu"].get("passed", 0) + r["gpu"].get("failed", 0)
+    skipped = r["gpu"].get("skipped", 0)
     if ran or skipped:
         tr.section("gpu-tagged cells")
         where = "with CUDA" if GPU_TIER else "with CUDA hidden: each took its CPU path"
         why = " (GPU tier: skipped gpu cells fail the run)" if GPU_TIER and skipped else ""
         tr.write_line(f"ran {ran} ({where}), skipped {skipped}{why}")
-    if _modified_after_run:
+    if r["dumps"]:
+        tr.section("cells that show a data dump as their result (fails the run)", red=True)
+        for line in r["dumps"]:
+            tr.write_line(line, red=True)
+        tr.write_line("End such a cell with a statement, or have the function it calls return None: a trailing "
+                      "`;` hides a result only where IPython keeps the input history, and nbval does not. "
+                      "The notebook was not saved to build/executed/.", red=True)
+    if r["modified"]:
         tr.section("notebooks that git would list as modified after Run All (fails the run)", red=True)
-        for path in _modified_after_run:
+        for path in r["modified"]:
             tr.write_line(f"{path}: a compared cell's output differs, byte for byte, from the stored one; "
                           f"refresh it: python -m course_lib.tooling.nbtools refresh {path}", red=True)
-    elif _cell_runs and not GPU_TIER:
+    elif r["complete"] and not GPU_TIER:
         tr.section("git after Run All")
-        complete = sum(run.complete for run in _cell_runs.values())
-        tr.write_line(f"{complete} notebook(s) ran to their end; through make lab's git filter none reads as modified")
-    if "updated" in _silence:
+        tr.write_line(f"{r['complete']} notebook(s) ran to their end; through make lab's git filter none reads "
+                      "as modified")
+    silence = r["silence"]
+    if "updated" in silence:
         tr.section("printing cells: manifest rewritten")
         where = terminalreporter.config.getoption("--printing-cells-manifest")
-        tr.write_line(f"{where}: {len(_silence['updated'])} notebook(s) rewritten")
-        if _silence["partial"]:
-            tr.write_line(f"kept as they were (not every code cell ran to its end): {', '.join(_silence['partial'])}")
-    elif _silence.get("silent"):
-        from course_lib.tooling.nbtools import silence_report
-
+        tr.write_line(f"{where}: {len(silence['updated'])} notebook(s) rewritten")
+        if silence["partial"]:
+            tr.write_line(f"kept as they were (not every code cell ran to its end): {', '.join(silence['partial'])}")
+    elif silence.get("silent"):
         tr.section("code cells that stopped printing (fails the run)", red=True)
-        where = terminalreporter.config.getoption("--printing-cells-manifest")
-        for line in silence_report(_silence["silent"], where):
+        for line in silence["silent"]:
             tr.write_line(line, red=True)
-    elif _silence.get("judged"):
+    elif silence.get("judged"):
         tr.section("printing cells")
-        tr.write_line(f"every cell listed as printing printed, in {len(_silence['judged'])} notebook(s)")
-        for path, ids in _silence["unlisted"].items():
+        tr.write_line(f"every cell listed as printing printed, in {len(silence['judged'])} notebook(s)")
+        for path, ids in silence["unlisted"].items():
             tr.write_line(f"not in the manifest yet, so not judged: {path} {', '.join(ids)}")

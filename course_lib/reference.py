@@ -70,11 +70,16 @@ def load_references(pattern: str = "*.json", folder: Path | None = None) -> list
     return [{"file": p.name, **json.loads(p.read_text())} for p in sorted(Path(folder or REFERENCE_DIR).glob(pattern))]
 
 
-def show_reference(pattern: str, describe: Callable[[dict], str]) -> list[dict]:
+def show_reference(pattern: str, describe: Callable[[dict], str]) -> None:
     """Chapter 00: print every recorded result matching `pattern` in full, with its provenance,
     formatted by `describe(record)`, and its erratum, if a later finding withdrew some of its values.
     If there is none, print one short line: the chapter itself says, once, what the GPU run would
-    show and how to record it."""
+    show and how to record it.
+
+    It returns None, so a cell that ends with this call shows only what it printed: a returned
+    list of records would be the cell's result, shown whole wherever IPython's trailing-`;`
+    suppression does not apply (nbval runs cells without input history, so `make test`'s executed
+    copies would carry it). A cell that needs the records reads them with `load_references(pattern)`."""
     refs = load_references(pattern)
     for ref in refs:
         prov = ref["provenance"]
@@ -84,4 +89,3 @@ def show_reference(pattern: str, describe: Callable[[dict], str]) -> list[dict]:
         print(describe(ref))
     if not refs:
         print(f"No GPU reference recorded yet (data/reference/{pattern}).")
-    return refs

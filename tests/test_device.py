@@ -107,3 +107,25 @@ def test_the_report_shows_torchs_emulation_inclusive_bf16_answer_only_where_bf16
             mock.patch("torch.cuda.is_bf16_supported", return_value=True):
         line = next(x for x in D.hardware_report("cuda").splitlines() if x.startswith("native bf16"))
     assert line == ("native bf16: False (is_bf16_supported(): True, emulated)" if says else "native bf16: True")
+
+
+@pytest.mark.parametrize("installed, needed, expected", [
+    ("2.6.0+cu124", "2.6", True),      # the floor: a local build is its release
+    ("2.6.0+cu124", "2.8", False),     # CPU torch._scaled_mm (chapter 11) arrived in 2.8
+    ("2.10.0", "2.9", True),           # numbers, not strings: "2.10" < "2.9" as text
+    ("2.9.1", "2.10", False),
+    ("2.12.0+cu130", "2.12", True),    # rowwise scales in torch._scaled_mm on a CPU
+    ("2.8.0a0+git1234567", "2.8", False),  # a pre-release may predate the feature
+])
+def test_torch_at_least_compares_releases_as_numbers(installed, needed, expected, capsys):
+    assert D.torch_at_least(needed, installed=installed) is expected
+    assert capsys.readouterr().out == ""  # without `what`, it only answers
+
+
+def test_a_guard_says_in_one_line_what_needs_which_torch_and_the_torch_found(capsys):
+    what = "rowwise scales in torch._scaled_mm on a CPU"
+    assert D.torch_at_least("2.12", what, installed="2.11.0+cu130") is False
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"skipped: needs torch >= 2.12 for {what}; this is 2.11.0+cu130"]
+    assert len(lines[0]) <= 100
+    assert D.torch_at_least("2.6", what) is True and capsys.readouterr().out == ""  # the floor itself

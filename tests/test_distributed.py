@@ -41,6 +41,8 @@ from course_lib.chapters.ch08.distributed import (
 from course_lib.data import load_dataset
 from course_lib.models import MLP
 
+pytestmark = pytest.mark.slow  # real process groups under torchrun: left out by make test-fast
+
 # --------------------------------------------------------------------------- real runs
 
 
@@ -154,7 +156,11 @@ def test_fsdp2_shards_every_parameter_and_matches_ddp(good_run):
     assert fsdp["bf16"]["logits_dtype"] == "bfloat16" and fsdp["bf16"]["max_rel_diff_vs_ddp"] < 0.05
 
 
+@pytest.mark.timing
 def test_a_rank_that_raises_is_named_and_nothing_is_left(tmp_path):
+    # The time bound is the launch's own timeout, 240 s, for a launch that took 6-15 s with both cores busy
+    # (tools/under_load.py): room for a far busier machine. It catches a failure that is reported only when
+    # the timeout stops the run (the other rank left waiting in its all-reduce), which ends as a DDPTimeout.
     t0 = time.monotonic()
     with as_the_chapter_launches(tmp_path) as temp, pytest.raises(DDPRunError) as info:
         launch(["--backend", "gloo", "--fail-rank", "1", "--fail-at", "3"], name="failing", timeout=240)
@@ -167,7 +173,11 @@ def test_a_rank_that_raises_is_named_and_nothing_is_left(tmp_path):
     assert not L._pids_with_token("no-such-token")
 
 
+@pytest.mark.timing
 def test_a_hung_rank_is_stopped_by_the_timeout_and_nothing_is_left(tmp_path):
+    # Bounded by construction, whatever the load: the 20 s timeout, then stopping, whose every wait has a
+    # limit of its own (ddp_launch._stop: 10 s after SIGTERM, 5 s after SIGKILL, then _reap's 10 s): 45 s,
+    # and 15 s for the Python between them. It catches a launch that waits out the group's 600 s timeout.
     t0 = time.monotonic()
     with pytest.raises(DDPTimeout) as info:
         launch(["--backend", "gloo", "--hang-rank", "1", "--fail-at", "2", "--pg-timeout", "600"], out=tmp_path,

@@ -9,6 +9,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+pytestmark = pytest.mark.slow  # notebooks run in kernels of their own: left out by make test-fast
+
 ROOT = Path(__file__).resolve().parents[1]
 GUARDED = ('from course_lib.device import gpu_cell\n\n'
            'if gpu_cell("a probe"):\n    import torch\n    torch.zeros(1, device="cuda")')

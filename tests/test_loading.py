@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from course_lib.chapters.ch07 import data_wait as W
 from course_lib.chapters.ch07 import loading as L
 from course_lib.data import DATA_DIR, load_dataset
+from course_lib.device import torch_at_least
 
 matplotlib.use("Agg")
 
@@ -54,11 +55,19 @@ class _TimedLoader:
             yield torch.zeros(self.batch_size), torch.zeros(self.batch_size)
 
 
+@pytest.mark.timing
 def test_measure_loader_times_the_wait_and_restarts_epochs():
-    run = W.measure_loader(_TimedLoader(3, ms=20), W.simulated_step(20), steps=7, warmup=1, label="x")
-    assert len(run.wait_ms) == len(run.step_ms) == 7
-    assert 0.35 < run.wait_fraction < 0.7  # loading and compute take turns: about a half
-    assert all(w >= 15 for w in run.wait_ms) and all(s >= 35 for s in run.step_ms)
+    # Loading and compute take turns, 20 ms of sleep each: the wait is about half of each step. A sleep never
+    # ends early, so the floors hold on any machine; a busy one wakes a sleeper late, now one side and now the
+    # other, so a run whose fraction strays is measured afresh, at most three runs. A wait timed outside
+    # next(), or a step timed without its wait, reads about 0 or 1 in every run.
+    runs = []
+    while not (runs and 0.35 < runs[-1].wait_fraction < 0.7) and len(runs) < 3:
+        run = W.measure_loader(_TimedLoader(3, ms=20), W.simulated_step(20), steps=7, warmup=1, label="x")
+        assert len(run.wait_ms) == len(run.step_ms) == 7
+        assert all(w >= 15 for w in run.wait_ms) and all(s >= 35 for s in run.step_ms)
+        runs.append(run)
+    assert 0.35 < run.wait_fraction < 0.7, [f"{r.wait_fraction:.2f}" for r in runs]  # about a half
     assert 4 * 7 * 1000 / sum(run.step_ms) == pytest.approx(run.images_per_s)
     assert "x:" in str(run) and "waiting for data" in str(run)
 
@@ -201,13 +210,20 @@ def test_the_recorded_sweep_tries_no_more_workers_than_the_cores(monkeypatch):
     assert L.main(["--device", "cpu"]) == 0 and seen["w"] == [0, 1, 2]
 
 
+@pytest.mark.timing
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="times host-to-device copies: needs a CUDA GPU")
 def test_copy_timings_on_a_gpu():
-    rows = L.copy_timings("cuda", mib=16, busy_ms=5, iters=3)
-    assert [r["copy"] for r in rows] == ["pageable .to()", "pinned, non_blocking", "pin_memory() each time"]
-    assert all(r["copy_ms"] > 0 and r["gb_per_s"] > 0 for r in rows)
+    # The pageable copy holds the Python thread for the 5 ms of queued GPU work and its copy; the pinned one
+    # returns at once. Each host_ms is a median of three, and a busy host can still stall one call: a fresh
+    # measurement then, at most three. A pinned copy that waits for the GPU fails every one.
+    tried = []
+    while not (tried and tried[-1][1]["host_ms"] < tried[-1][0]["host_ms"]) and len(tried) < 3:
+        rows = L.copy_timings("cuda", mib=16, busy_ms=5, iters=3)
+        assert [r["copy"] for r in rows] == ["pageable .to()", "pinned, non_blocking", "pin_memory() each time"]
+        assert all(r["copy_ms"] > 0 and r["gb_per_s"] > 0 for r in rows)
+        tried.append(rows)
     pageable, pinned = rows[0], rows[1]
-    assert pinned["host_ms"] < pageable["host_ms"]  # the pinned copy does not hold the Python thread
+    assert pinned["host_ms"] < pageable["host_ms"], [(p["host_ms"], q["host_ms"]) for p, q, _ in tried]
     print(L.format_copy_rows(rows))
 
 
@@ -239,7 +255,7 @@ def test_loader_warnings_are_caught_and_said_without_paths():
                              W.simulated_step(0), steps=2)
     assert len(said) == len(set(said)) and all(len(line) <= 97 and "site-packages" not in line for line in said)
     assert f"num_workers={W.cpus() + 2}: more workers than the {W.cpus()} cores here" in said[0]
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and torch_at_least("2.7"):  # torch 2.6 pins nothing without a word
         assert said[1].startswith("pin_memory=True: there is no GPU here, so DataLoader pins nothing")
     with W.caught_loader_warnings() as said:
         import warnings

@@ -58,3 +58,25 @@ def test_make_test_floor_pins_exactly_the_declared_floors():
                           capture_output=True, text=True, check=True)
     floors = [d.replace(">=", "==") for d in dependencies() if d.startswith(("torch>=", "torchvision>="))]
     assert done.stdout.split() == floors
+
+
+def test_make_help_lists_every_target_and_clean_removes_build():
+    """A contributor's first command is `make help`: a target it does not list is a target nobody finds."""
+    make = (ROOT / "Makefile").read_text()
+    targets = {t for t in re.findall(r"^([a-z][a-z-]*):(?!=)", make, re.M)}
+    shown = subprocess.run(["make", "-s", "help"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    missing = [t for t in sorted(targets) if not re.search(rf"make {re.escape(t)}\b", shown)]
+    assert not missing, f"make help does not list: {missing}"
+    assert {"test-fast", "test-chapter", "test-under-load", "clean"} <= targets
+    clean = re.search(r"^clean:\n\t(.+)$", make, re.M).group(1)
+    assert "build" in clean.split() and "--durations=20" in make
+
+
+def test_make_test_chapter_finds_a_chapters_notebooks_and_tests():
+    paths = subprocess.run([sys.executable, "tools/chapter_tests.py", "07"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    assert paths[:3] == ["notebooks/07_loading.ipynb", "exercises/07_loading_exercises.ipynb",
+                         "solutions/07_loading_exercises.ipynb"]
+    assert {"tests/test_checks_ch07.py", "tests/test_loading.py", "tests/test_grade_a_chapter.py"} <= set(paths)
+    wrong = subprocess.run([sys.executable, "tools/chapter_tests.py", "7"], cwd=ROOT, capture_output=True, text=True)
+    assert wrong.returncode != 0 and "two digits" in wrong.stderr

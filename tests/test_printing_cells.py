@@ -17,6 +17,8 @@ import pytest
 from course_lib.tooling import nbtools
 from course_lib.tooling.nbtools import CellRun, NotebookRun
 
+pytestmark = pytest.mark.slow  # pytest runs of small notebooks: left out by make test-fast
+
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "tests" / "printing_cells.json"
 
@@ -186,3 +188,31 @@ def test_conftest_records_a_small_notebook_then_fails_the_run_when_a_listed_cell
     assert "code cells that stopped printing (fails the run)" in moved.stdout
     assert "probe.ipynb, cell 1 (id cell-1, nbval's Cell 1) printed nothing" in moved.stdout
     assert "cell-2" not in moved.stdout.split("stopped printing")[1]
+
+
+# --------------------------------------------------------------------------- no data dumps
+
+@pytest.mark.skipif(os.environ.get("COURSE_GPU_TIER") == "1", reason="run in the CPU tier only")
+def test_conftest_fails_the_run_on_a_cell_whose_result_is_a_data_dump_even_with_a_trailing_semicolon(tmp_path):
+    """One nbval run of a 4-cell notebook with the repository's conftest.py. The dump ends in `;`, which
+    hides a result only where IPython keeps the input history: nbval runs cells with store_history=False,
+    so the whole list is the cell's result, as the records of 28 `show_reference(...);` cells once were in
+    build/executed/."""
+    shutil.copy(ROOT / "conftest.py", tmp_path / "conftest.py")
+    nb = nbformat.v4.new_notebook()
+    sources = ['records = [{"row": i, "ms": i / 7} for i in range(300)]',
+               'records;',                                       # 300 lines of pretty-printed dicts
+               'print("\\n".join(str(r) for r in records))',     # printed on purpose: a stream, not a result
+               'len(records)']                                  # a short result is fine
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]
+    for i, cell in enumerate(nb.cells):
+        cell.id = f"cell-{i}"
+    nbformat.write(nb, tmp_path / "dump_probe.ipynb")
+    run = subprocess.run([sys.executable, "-m", "pytest", "dump_probe.ipynb", "--nbval-lax", "--nbval-current-env",
+                          "-p", "no:cacheprovider", "-q"], cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, "COURSE_GPU_TIER": "0"}, timeout=300)
+    assert run.returncode == pytest.ExitCode.TESTS_FAILED and "4 passed" in run.stdout, run.stdout
+    report = run.stdout.split("cells that show a data dump as their result (fails the run)")[1]
+    assert "dump_probe.ipynb, cell 1 (id cell-1): its execute_result shows 300 lines" in report, report
+    assert "the cell's first line: 'records;'" in report and "cell-2" not in report and "cell-3" not in report
+    assert not (ROOT / "build" / "executed" / "dump_probe.ipynb").exists(), "a dumping notebook is not published"

@@ -1,9 +1,20 @@
 """course_lib.chapters.ch11: the roofline's arithmetic, its prediction on this CPU and on the recorded
 H100, and FP8 scaling by hand against torch._scaled_mm."""
+import logging
+import time
+import types
+
 import pytest
 import torch
 
-from course_lib.chapters.ch11.fp8 import amax_scales, fp8_matmul, fp8_matmul_by_hand, fp8_max, to_fp8
+from course_lib.chapters.ch11.fp8 import (
+    SCALED_MM_ON_CPU,
+    amax_scales,
+    fp8_matmul,
+    fp8_matmul_by_hand,
+    fp8_max,
+    to_fp8,
+)
 from course_lib.chapters.ch11.roofline import (
     Ceilings,
     bound_by,
@@ -15,9 +26,80 @@ from course_lib.chapters.ch11.roofline import (
     recorded_matmul_rows,
     roofline_rows,
 )
+from course_lib.device import torch_at_least
 from course_lib.reference import load_references
 
 TOY = Ceilings(device="cpu", flops={"fp32": 1e11, "bf16": 2e11}, bandwidth=1e10, launch=1e-6)
+
+# --------------------------------------------------------------------------- timed on this CPU, loaded or not
+# The tests marked `timing` time this CPU against itself and must give the same verdict on a busy machine
+# (COURSE_SPEC section 7; tools/under_load.py runs them with every core kept busy). On the wall clock they
+# did not: a ceiling measured first and an op measured after it saw different shares of a shared CPU, and
+# a prediction came out 93% off; with both cores busy, torch's two threads made it 2,200% (each parallel op
+# waits at its barrier for whichever thread the operating system has descheduled). So, by design, the
+# timed tests run torch on one thread and read that thread's CPU time (the `one_thread_on_its_cpu_time`
+# fixture): the time the system gives to other processes is not counted, on either side of a comparison.
+# What load still moves (caches and memory shared with the neighbours) is left to a retry: fresh attempts,
+# each measuring everything again, while the bound is not met, at most ATTEMPTS. A wrong count is off by
+# its factor in every attempt; the counting itself is checked exactly, on a clock that always reads 1 ms,
+# by the test just below.
+ATTEMPTS = 3
+
+
+def first_within(attempt, met, attempts: int = ATTEMPTS) -> list:
+    """Fresh results of `attempt()` until one is `met`, at most `attempts` of them; the last one decides."""
+    tried = [attempt()]
+    while not met(tried[-1]) and len(tried) < attempts:
+        tried.append(attempt())
+    return tried
+
+
+@pytest.fixture
+def one_thread_on_its_cpu_time(monkeypatch):
+    """torch on one thread, and the course's timers (core's time_fn, which roofline.measured_seconds
+    calls, and measured_seconds' own sizing of its batch) reading that thread's CPU time instead of the
+    wall clock. With one thread every op runs on the calling thread, so its CPU time is the op's time on
+    the core, whatever share of the core the system gave it."""
+    from course_lib import timing
+    from course_lib.chapters.ch11 import roofline
+
+    cpu_clock = types.SimpleNamespace(**{**vars(time), "perf_counter": time.thread_time})
+    for module in (timing, roofline):
+        monkeypatch.setattr(module, "time", cpu_clock)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    # the clocks really are swapped: a sleep costs no CPU time (if a timer stops reading `time.perf_counter`,
+    # this says so instead of letting the test time the wall clock again)
+    assert timing.time_fn(lambda: time.sleep(0.02), warmup=0, iters=1, device="cpu").median_ms < 10
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_the_ceilings_and_the_fusion_rows_count_the_work_of_what_they_time(monkeypatch):
+    # What the timed tests below compare with this CPU, exactly: what each ceiling times and the work it
+    # divides by the time. A size^3 matmul's 2 size^3 FLOPs, a copy's bytes read plus written, a 3x3
+    # convolution's kernel^2, one element's add; 11 passes and 4 starts eager, 5 passes and 1 start fused.
+    from course_lib.chapters.ch11 import roofline, step_profile
+
+    timed = []
+
+    def one_ms(fn, device="cpu", target_s=0.01):
+        timed.append(tuple(fn().shape))
+        return 1e-3
+
+    monkeypatch.setattr(roofline, "measured_seconds", one_ms)
+    ceilings = measure_ceilings("cpu", dtypes=("fp32",), size=64, copy_mib=1, conv_dtypes=("fp32",))
+    assert set(timed) == {(64, 64), (2**18,), (8, 64, 56, 56), (1,)}  # matmul, copy, convolution, one add
+    assert ceilings.flops == {"fp32": pytest.approx(2 * 64**3 / 1e-3)} and ceilings.launch == 1e-3
+    assert ceilings.bandwidth == pytest.approx(2 * 2**20 / 1e-3)  # 1 MiB read and 1 MiB written
+    assert ceilings.conv_flops == {"fp32": pytest.approx(2 * 8 * 64 * 56 * 56 * 64 * 9 / 1e-3)}
+    monkeypatch.setattr(step_profile, "measured_seconds", one_ms)
+    monkeypatch.setattr(torch, "compile", lambda fn: fn)  # the arithmetic needs no compiler
+    eager, fused = step_profile.fusion_rows(TOY, numel=1024)
+    assert (eager["passes"], fused["passes"]) == (11, 5)
+    assert eager["predicted"] == pytest.approx(11 * 1024 * 4 / 1e10 + 4e-6)
+    assert fused["predicted"] == pytest.approx(5 * 1024 * 4 / 1e10 + 1e-6)
+    assert fused["error"] == pytest.approx(fused["predicted"] / 1e-3 - 1)
 
 
 def test_a_matmul_counts_two_flops_a_term_and_each_element_once():
@@ -38,13 +120,18 @@ def test_the_prediction_is_the_larger_time_plus_the_floor_and_names_its_bound():
     assert TOY.ridge("bf16") == 2 * TOY.ridge("fp32") == 20.0
 
 
-def test_a_compute_bound_matmul_on_this_cpu_is_predicted_within_a_loose_bound():
+@pytest.mark.timing
+def test_a_compute_bound_matmul_on_this_cpu_is_predicted_within_a_loose_bound(one_thread_on_its_cpu_time):
     # The ceiling comes from a square matmul; another shape is predicted from it. Counting m*k*n FLOPs
-    # instead of 2*m*k*n would be off by half: a loose bound (this machine's timing noise) still fails it.
-    ceilings = measure_ceilings("cpu", dtypes=("fp32",), size=512, copy_mib=16)
-    row = roofline_rows([matmul_op(1024, 256, 512)], ceilings)[0]
+    # instead of 2*m*k*n would be off by half: a loose bound (this machine's timing noise) still fails it,
+    # in every attempt.
+    def attempt():
+        ceilings = measure_ceilings("cpu", dtypes=("fp32",), size=512, copy_mib=16)
+        return roofline_rows([matmul_op(1024, 256, 512)], ceilings)[0]
+
+    *_, row = tried = first_within(attempt, lambda row: abs(row["error"]) < 0.4)
     assert row["bound"] == "compute"
-    assert abs(row["error"]) < 0.4, row
+    assert abs(row["error"]) < 0.4, (row, [f"{r['error']:+.0%}" for r in tried])
 
 
 def test_a_convolution_runs_against_the_convolution_ceiling_where_one_was_measured():
@@ -59,23 +146,45 @@ def test_a_convolution_runs_against_the_convolution_ceiling_where_one_was_measur
     assert nchw.name.endswith("NCHW") and conv.name.endswith("NHWC") and nchw.flops == conv.flops
 
 
-def test_a_channels_last_convolution_is_predicted_from_the_convolution_ceiling_on_this_cpu():
+@pytest.mark.timing
+def test_a_channels_last_convolution_is_predicted_from_the_convolution_ceiling_on_this_cpu(one_thread_on_its_cpu_time):
     # The ceiling is a 3x3 convolution of 64 channels at 56x56; a 1x1 convolution of another shape is
-    # predicted from it. Counting kernel (not kernel^2) or forgetting the factor 2 fails by far more.
-    ceilings = measure_ceilings("cpu", dtypes=("fp32",), size=512, copy_mib=16, conv_dtypes=("fp32",))
-    row = roofline_rows([conv_op(8, 128, 128, 28, kernel=1)], ceilings)[0]
+    # predicted from it. Counting kernel (not kernel^2) or forgetting the factor 2 fails by far more, in
+    # every attempt.
+    def attempt():
+        ceilings = measure_ceilings("cpu", dtypes=("fp32",), size=512, copy_mib=16, conv_dtypes=("fp32",))
+        return roofline_rows([conv_op(8, 128, 128, 28, kernel=1)], ceilings)[0]
+
+    *_, row = tried = first_within(attempt, lambda row: abs(row["error"]) < 0.4)
     assert row["bound"] == "compute"
-    assert abs(row["error"]) < 0.4, row
+    assert abs(row["error"]) < 0.4, (row, [f"{r['error']:+.0%}" for r in tried])
 
 
-def test_compiling_a_memory_bound_chain_fuses_it_into_fewer_passes_on_this_cpu():
+@pytest.mark.timing
+@pytest.mark.skipif(not torch_at_least("2.7"), reason="one thread needs torch >= 2.7: on 2.6 a compiled CPU kernel "
+                    f"from Inductor's cache ran on 2 threads after set_num_threads(1); this is {torch.__version__}")
+def test_compiling_a_memory_bound_chain_fuses_it_into_fewer_passes_on_this_cpu(one_thread_on_its_cpu_time, caplog):
+    # A compile that no longer fuses (no 1.3x) fails in every attempt, and so does a prediction twice too
+    # long (a bandwidth from the bytes read alone). On one thread the copy that gives the bandwidth moves
+    # fewer bytes a second than the fused kernel's four input streams: the prediction is 1.3-1.7x the
+    # measured time, hence 2.5 where two threads' reading (the notebook's) stays under 2. One thread has a
+    # kernel compiled for it: about 10 s the first time, then Inductor's cache on disk.
     from course_lib.chapters.ch11.step_profile import fusion_rows
 
-    ceilings = measure_ceilings("cpu", dtypes=("fp32",), size=256, copy_mib=64)
-    eager, fused = fusion_rows(ceilings)  # the notebook's size: its compile then hits Inductor's cache
+    # compiling logs its structured trace at DEBUG: ~170 lines that would bury a failure's assertion
+    caplog.set_level(logging.INFO, logger="torch.__trace")
+
+    def holds(rows):
+        eager, fused = rows
+        return fused["measured"] < eager["measured"] / 1.3 and 0.5 < fused["predicted"] / fused["measured"] < 2.5
+
+    *_, (eager, fused) = tried = first_within(
+        lambda: fusion_rows(measure_ceilings("cpu", dtypes=("fp32",), size=256, copy_mib=64)), holds)
+    seen = [(f"{e['measured'] / f['measured']:.2f}x faster", f"predicted {f['predicted'] / f['measured']:.2f}x")
+            for e, f in tried]
     assert (eager["passes"], fused["passes"]) == (11, 5)
-    assert fused["measured"] < eager["measured"] / 1.3, (eager, fused)
-    assert 0.5 < fused["predicted"] / fused["measured"] < 2, fused
+    assert fused["measured"] < eager["measured"] / 1.3, (eager, fused, seen)
+    assert 0.5 < fused["predicted"] / fused["measured"] < 2.5, (fused, seen)
 
 
 RECORDED = load_references("roofline_*.json")
@@ -90,7 +199,14 @@ def test_the_recorded_large_matmuls_are_within_twenty_percent_and_odd_shapes_are
     assert odd and all(r["measured"] > 3 * r["predicted"] for r in odd)  # what the roofline cannot see
 
 
-@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+def needs_cpu_scaled_mm(granularity: str) -> pytest.MarkDecorator:
+    """Skip a test that runs torch._scaled_mm on a CPU where this torch cannot (fp8.SCALED_MM_ON_CPU)."""
+    need = SCALED_MM_ON_CPU[granularity]
+    return pytest.mark.skipif(not torch_at_least(need), reason=f"{granularity} scales in torch._scaled_mm on a "
+                              f"CPU need torch >= {need}; this is {torch.__version__}")
+
+
+@pytest.mark.parametrize("granularity", [pytest.param(g, marks=needs_cpu_scaled_mm(g)) for g in SCALED_MM_ON_CPU])
 def test_scaling_by_hand_is_what_scaled_mm_computes(granularity):
     torch.manual_seed(0)
     a, b = torch.randn(32, 64), torch.randn(64, 16) * 0.05
@@ -112,6 +228,8 @@ def test_scales_map_the_largest_magnitude_onto_the_format_maximum():
         amax_scales(a, b, "blockwise")
 
 
+@needs_cpu_scaled_mm("tensorwise")
+@needs_cpu_scaled_mm("rowwise")
 def test_rowwise_scaling_protects_the_other_rows_from_a_huge_outlier():
     torch.manual_seed(0)
     a, w = torch.randn(16, 64), torch.randn(64, 8) * 0.02
@@ -173,6 +291,7 @@ def test_the_recorded_gpt_step_matmuls_are_predicted_and_attention_is_not():
     assert attention and all(r["error"] < -0.5 for r in attention)  # far below the matmul ceiling
 
 
+@needs_cpu_scaled_mm("tensorwise")
 def test_the_fp8_gemm_sweep_times_both_formats_and_reads_as_a_table():
     from course_lib.chapters.ch11.fp8 import format_fp8_sweep, fp8_gemm_sweep
 
@@ -233,10 +352,17 @@ def test_cuda_graph_rows_say_what_they_need_where_there_is_no_gpu():
         cuda_graph_rows()
 
 
+@pytest.mark.timing
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (GPU tier)")
 def test_a_captured_small_cnn_step_replays_faster_than_the_host_launches_it():
+    # A host-bound step: a busy host slows the eager launches, not the replay, so load widens the gap; what
+    # the GPU's other users do is left to fresh attempts. A replay that does not replace the launches (no
+    # speed-up) fails every attempt.
     from course_lib.chapters.ch11.step_profile import cuda_graph_rows
 
-    rows = {r["mode"]: r for r in cuda_graph_rows(batch=64, iters=20)}
+    def faster(rows):
+        return all(r["graph_ms"] > 0 and r["speedup"] > 1.0 for r in rows.values())
+
+    *_, rows = tried = first_within(lambda: {r["mode"]: r for r in cuda_graph_rows(batch=64, iters=20)}, faster)
     assert set(rows) == {"fp32", "bf16"}
-    assert all(r["graph_ms"] > 0 and r["speedup"] > 1.0 for r in rows.values()), rows  # a host-bound step
+    assert faster(rows), tried

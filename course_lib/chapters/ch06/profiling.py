@@ -98,9 +98,10 @@ def trace_folder(name: str = "06_profiling", root: str | os.PathLike | None = No
     return folder
 
 
-def show_traces(folder: str | os.PathLike, pattern: str = "*.json") -> list[Path]:
+def show_traces(folder: str | os.PathLike, pattern: str = "*.json") -> None:
     """Chapter 06: list the traces in `folder`, with their sizes. In a notebook each name is also a
-    link that downloads the file (to drag into https://ui.perfetto.dev); elsewhere, the full paths."""
+    link that downloads the file (to drag into https://ui.perfetto.dev); elsewhere, the full paths.
+    Returns None, so that a cell ending in it shows the list and not the paths again as its result."""
     paths = sorted(Path(folder).glob(pattern))
     plain = "\n".join(f"{p}  ({p.stat().st_size / 1024:.0f} KiB)" for p in paths) or f"no {pattern} in {folder}"
     try:
@@ -110,7 +111,7 @@ def show_traces(folder: str | os.PathLike, pattern: str = "*.json") -> list[Path
         get_ipython = None
     if get_ipython is None or get_ipython() is None:
         print(plain)
-        return paths
+        return None
     notebooks = COURSE_ROOT / "notebooks"  # links in a chapter's output resolve against the notebook's folder
     items = "".join(
         f'<li><a href="{html.escape(os.path.relpath(p, notebooks))}" download>{html.escape(p.name)}</a>'
@@ -128,7 +129,7 @@ def show_traces(folder: str | os.PathLike, pattern: str = "*.json") -> list[Path
         },
         raw=True,
     )
-    return paths
+    return None
 
 
 # --------------------------------------------------------------------------- recording

@@ -14,6 +14,9 @@ one per column of `b` (the rows and columns a dot product pairs), so one outlier
 own row's precision. Forward operands (activations, weights) use e4m3, which has more mantissa;
 gradients use e5m2, which has more range. Scales are computed from the current tensor (dynamic
 scaling): torchao removed delayed scaling, which used an amax history, in its 0.10 release.
+
+On a CPU `torch._scaled_mm` needs a recent torch (SCALED_MM_ON_CPU): the cells that call it ask
+`torch_at_least` first, and on an older torch print one line saying so.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from course_lib.timing import time_fn
 
 __all__ = [
     "FP8_FORMATS",
+    "SCALED_MM_ON_CPU",
     "fp8_max",
     "amax_scales",
     "to_fp8",
@@ -35,6 +39,11 @@ __all__ = [
 ]
 
 FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+# The first torch whose `_scaled_mm` runs on a CPU, per granularity, measured on 2026-11-29 (a Xeon with
+# AMX-INT8, through oneDNN and with torch.backends.mkldnn off): 2.6 and 2.7 raise NotImplementedError
+# (the CPU kernel, pytorch#150410, came after the 2.7 branch cut); 2.8 and 2.11 run tensorwise scales
+# and assert one scale per operand for rowwise; 2.12 runs both.
+SCALED_MM_ON_CPU = {"tensorwise": "2.8", "rowwise": "2.12"}
 
 
 def fp8_max(fmt: str = "e4m3") -> float:
