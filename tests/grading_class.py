@@ -421,13 +421,13 @@ def add(a, b):
                                               "        x = [x]\n    return x", GOOD_CLIP],
                                      {"99.add": (0, "failed"), "99.clip": (1, "passed")},
                                      says={"99.add": "add returned"}),
-        "writes_a_70_mb_line": Entry([IMPORT, '''
+        "writes_a_66_mib_line": Entry([IMPORT, '''
 import os
 SENT = []
 def add(a, b):
-    if not SENT:  # once: 70 MiB without a line break, then the answer behind it
+    if not SENT:  # once: 66 MiB without a line break, then the answer behind it
         fd = int(os.environ["AMP_ANSWER_FD"])
-        for _ in range(70):
+        for _ in range(66):
             os.write(fd, b"1" * (1 << 20))
         SENT.append(True)
     return a + b''', GOOD_CLIP], {"99.add": (0, "failed"), "99.clip": (1, "passed")},

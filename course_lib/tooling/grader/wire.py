@@ -348,6 +348,11 @@ def _judge(check, nb, sl, cases, proc: TaskProcess, cell_limit, deadline, notes)
     loaded: list[dict] = []
 
     def on_load_line(line: bytes) -> bool:
+        # Only the task process's own two messages are parsed (a flood of junk costs a prefix test
+        # per line, however much of it the notebook's statements write while they load)
+        if not line.startswith((b'{"loading": ', b'{"loaded": ')):
+            proc.ignored += 1 if line.strip() else 0
+            return False
         message, _ = read_message(line)
         if isinstance(message, dict) and isinstance(message.get("loading"), list):
             loading[:] = message["loading"][:2]
@@ -355,7 +360,7 @@ def _judge(check, nb, sl, cases, proc: TaskProcess, cell_limit, deadline, notes)
         elif isinstance(message, dict) and isinstance(message.get("loaded"), dict):
             loaded.append(message["loaded"])
             return True
-        elif line.strip():
+        else:
             proc.ignored += 1
         return False
 
