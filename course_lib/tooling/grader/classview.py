@@ -74,8 +74,7 @@ def write(rows: list[dict], out_dir: Path) -> str:
     (Path(out_dir) / "class.html").write_text(page, encoding="utf-8")
     columns = [("task", "exercise", ""), ("notebooks", "notebooks", "d"), ("passed", "passed", "d"),
                ("failed", "failed", "d"), ("not attempted", "not_attempted", "d"), ("other", "other", "d")]  # fmt: skip
-    lines = [table(summary, columns), "most common failures:"]
-    for t in summary:
-        lines += [f"  {t['exercise']}: {n}× {m[:90]}" for m, n in t["top_failures"]]
+    failures = [f"  {t['exercise']}: {n}× {m[:90]}" for t in summary for m, n in t["top_failures"]]
+    lines = [table(summary, columns), "most common failures:" if failures else "no failures", *failures]
     lines.append(f"class view -> {Path(out_dir) / 'class.html'}")
     return "\n".join(lines)
