@@ -30,6 +30,12 @@ from .ch07 import in_fresh_process_reporting, machine, reporting, say  # shared 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
 THRESHOLD = 5.0  # the learner's settings must train at least this many times faster than the slow script
+# ... or use this many times less CPU time (the script's process and its DataLoader workers): what a busy
+# machine does not stretch, where it stretches wall times unevenly (the solution measured 4.9x by the
+# clock on a loaded machine, 11x idle). Measured idle on 2 cores: the solution 11x by the clock and 13x
+# by CPU time; the closest partial fix (workers kept) 4.8x and 5.7x: so 8x by CPU time passes no
+# partial fix and every solution.
+CPU_THRESHOLD = 8.0
 ACCURACY_DROP = 0.02  # and reach the slow script's test accuracy, at most this much lower
 REPEATS = 3  # each script runs this many times, alternately; the best time of each counts
 MEASURE_LIMIT = 240.0  # seconds for one submission's measurements, torch's import included
@@ -68,19 +74,28 @@ def measurements(
     """Both scripts, alternately, `repeats` times each, on one torch thread (a busy machine then slows
     both alike): the best time of each, with the accuracy, samples and steps of its first run.
     report() gets each round as it ends: {"round": 1, "slow": seconds, "fast": seconds}."""
+    import resource
+
     import torch
+
+    def cpu_seconds() -> float:  # this process and its children that ended (the DataLoader's workers)
+        mine, theirs = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return mine.ru_utime + mine.ru_stime + theirs.ru_utime + theirs.ru_stime
 
     torch.set_num_threads(1)
     out: dict = {}
     for i in range(repeats):
         this = {}
         for name, settings in (("slow", slow), ("fast", fast)):
+            before = cpu_seconds()
             r = speedup.run_script(settings)
+            cpu = cpu_seconds() - before
             this[name] = r["seconds"]
             if name in out:
                 out[name]["seconds"] = min(out[name]["seconds"], r["seconds"])
+                out[name]["cpu"] = min(out[name]["cpu"], cpu)
             else:
-                out[name] = {k: r[k] for k in ("seconds", "accuracy", "samples", "steps")}
+                out[name] = {**{k: r[k] for k in ("seconds", "accuracy", "samples", "steps")}, "cpu": cpu}
         report({"round": i + 1, **this})
     return out
 
@@ -109,10 +124,19 @@ def verdict(m: dict) -> None:
         raise CheckFailure(f"{said}: more than {ACCURACY_DROP:.0%} of accuracy lost. Keep what is learned")
     ratio = slow["seconds"] / fast["seconds"]
     faster = speedup.format_speedup(ratio)
-    if ratio < THRESHOLD:
-        raise CheckFailure(f"{said} on {machine()}: {faster}, at least {THRESHOLD:g}x faster passes")
+    cpu_ratio = slow["cpu"] / max(fast["cpu"], 1e-9) if "cpu" in slow and "cpu" in fast else None
+    by_cpu = "" if cpu_ratio is None else f", {cpu_ratio:.1f}x less CPU time"
+    if ratio < THRESHOLD and (cpu_ratio is None or cpu_ratio < CPU_THRESHOLD):
+        raise CheckFailure(
+            f"{said} on {machine()}: {faster}{by_cpu}, at least {THRESHOLD:g}x faster passes"
+            + (
+                ""
+                if cpu_ratio is None
+                else f" (or {CPU_THRESHOLD:g}x less CPU time, which a busy machine does not stretch)"
+            )
+        )
     times = f"the slow script {slow['seconds']:.2f} s, yours {fast['seconds']:.2f} s"
-    say(f"   best of {REPEATS}: {times}, {faster}; accuracy {slow['accuracy']:.3f} and {fast['accuracy']:.3f}")
+    say(f"   best of {REPEATS}: {times}, {faster}{by_cpu}; accuracy {slow['accuracy']:.3f} and {fast['accuracy']:.3f}")
 
 
 @register
