@@ -220,8 +220,10 @@ def test_every_solution_scores_full_marks_and_every_exercise_zero_without_a_proc
     table = graded["table"]
     for sol in REAL:
         rows = [r for r in table["solution"].values() if r["notebook"].endswith(sol.name)]
+        # on an older torch (make test-floor) a check that needs a newer one says so and judges nothing
         judged = [r for r in rows if not (r["status"] == "not graded" and "needs torch" in r["message"])]
-        assert judged and all(r["passed"] for r in judged), [(r["exercise"], r["message"]) for r in rows]
+        assert rows and all(r["passed"] for r in judged), [(r["exercise"], r["message"]) for r in rows]
+    assert any(r["passed"] for r in table["solution"].values())
     for row in table["exercise"].values():
         assert (row["points"], row["status"]) == (0, "not attempted") and "still the exercise's stub" in row["message"]
 
