@@ -70,6 +70,9 @@ def with_habit(*habit: str) -> list[str]:
 
 # --------------------------------------------------------------------------- honest work
 
+MX_SOLUTION = solution_cells("11_speed_exercises.ipynb")[3]  # def mx_quantize(x, fmt, rule): ...
+assert 'if rule == "floor":' in MX_SOLUTION
+
 HONEST = {
     "good": Entry([IMPORT, GOOD_ADD, GOOD_CLIP], FULL),
     "wrong": Entry([IMPORT, WRONG_ADD, GOOD_CLIP], {"99.add": (0, "failed"), "99.clip": (1, "passed")},
@@ -83,6 +86,12 @@ HONEST = {
     "by_hand": Entry([IMPORT, GOOD_MEAN], {"97.mean": (1, "passed")}, notebook="97_mean.ipynb"),
     "wrong_by_hand": Entry([IMPORT, "def mean(xs):\n    return sum(xs) / (len(xs) + 1)"], {"97.mean": (0, "failed")},
                            notebook="97_mean.ipynb"),
+    # chapter 11's MX quantizer as written in its solution, and with the two rules swapped
+    "real_11_mx_by_hand": Entry([*solution_cells("11_speed_exercises.ipynb")[:2], MX_SOLUTION],
+                                {"11.mx_quantize": (3, "passed")}, notebook="11_speed_exercises.ipynb"),
+    "real_11_mx_rules_swapped": Entry(
+        [*solution_cells("11_speed_exercises.ipynb")[:2], MX_SOLUTION.replace('rule == "floor"', 'rule != "floor"')],
+        {"11.mx_quantize": (0, "failed")}, notebook="11_speed_exercises.ipynb", says={"11.mx_quantize": "was asked"}),
     "untouched_by_hand": Entry([IMPORT, 'def mean(xs):\n    raise NotImplementedError("Exercise: write your solution '
                                 'here")'], {"97.mean": (0, "not attempted")}, notebook="97_mean.ipynb",
                                says={"97.mean": "still the exercise's stub"}),
@@ -294,6 +303,11 @@ threading.Thread(target=spam, daemon=True).start()'''], STUBBED),
          "    return m.block_saved_bytes(batch, seq, n_embd, n_head, precision)"],
         {"10.block_saved_bytes": (0, "failed")}, notebook="10_memory_exercises.ipynb",
         says={"10.block_saved_bytes": "course_lib"}),
+    "real_11_the_courses_mx": Entry(
+        [*solution_cells("11_speed_exercises.ipynb")[:2],
+         "import importlib\nmx = importlib.import_module('course_lib.chapters.ch11.' + 'microscaling')",
+         "def mx_quantize(x, fmt, rule):\n    q = mx.mx_quantize(x, fmt, rule)\n    return q.scales, q.data"],
+        {"11.mx_quantize": (0, "failed")}, notebook="11_speed_exercises.ipynb", says={"11.mx_quantize": "course_lib"}),
     "real_11_the_courses_fp8": Entry(
         [*solution_cells("11_speed_exercises.ipynb")[:2],
          "import importlib\nfp8 = importlib.import_module('course_lib.chapters.ch11.' + 'fp8')",

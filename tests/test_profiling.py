@@ -307,6 +307,16 @@ def test_a_recorded_snapshot_without_python_frames_reads_as_autograd_backward():
     assert "first C++ frame" in text and all(len(line) <= 100 for line in text.splitlines())
 
 
+def test_the_snapshot_is_read_against_the_phase_table_reserved_against_the_largest_peak():
+    phases = {"fp32": {"start": 90.0, "forward": 1500.0, "backward": 2000.0, "optimizer": 91.0, "end": 90.0},
+              "bf16": {"start": 90.0, "forward": 1000.0, "backward": 1190.0, "optimizer": 91.0, "end": 90.0}}
+    ref = {"memory": phases, "snapshot": {"allocs": 3, "peak_mib": 1100.0, "reserved_mib": 8000.0, "largest": []}}
+    text = " ".join(P.format_profiling_reference(ref, "memory").split())
+    # the snapshot is of the last precision's step: its peak above the start adds up to that step's backward peak
+    assert "step (bf16): start + peak = 1,190.0 MiB, its backward column 1,190.0 MiB" in text
+    assert "reserved 4.0x the table's largest peak" in text
+
+
 def _ways(naive, nosync, proper):
     return {"naive": Timing(naive), "no sync": Timing(nosync), "proper": Timing(proper)}
 

@@ -1,5 +1,6 @@
 """course_lib.chapters.ch09.recorded_profiles: the recorded GPU profiles read in words computed from their numbers."""
 import pytest
+import torch
 
 from course_lib.chapters.ch09 import recorded_profiles as rp
 from course_lib.reference import load_references
@@ -35,7 +36,10 @@ def test_the_recorded_h100_files_read_without_error_and_say_what_the_readme_says
         pytest.skip("no recorded profile")
     q = refs[0]
     assert "aten::native_batch_norm" in rp.read_batch_norm(q["resnet50"])
-    assert "MFU 40.1%" in rp.read_mfu(q["gpt"])
+    mfu = " ".join(rp.read_mfu(q["gpt"]).split())
+    assert "MFU 40.1%" in mfu
+    # attention's rate counts the causal half its kernels compute, beside the MFU formula's full count
+    assert "attention at 249 TFLOP/s (25%) counting the causal half" in mfu and "498 by the MFU formula" in mfu
     shapes = load_references("roofline_h100-80gb-hbm3.json")[0]["shapes"]
     padded = "bf16: 47 more vocabulary columns (50,304) made the output layer 4.9x faster"
     assert padded in rp.read_vocab_padding(shapes)
@@ -56,6 +60,20 @@ def test_checkpointing_is_read_in_gib_not_in_percentages_of_different_bases():
 def test_vocab_padding_times_both_vocabularies():
     times = rp.vocab_padding_times(tokens=4, width=8)
     assert set(times) == {50257, 50304} and all(t > 0 for t in times.values())
+    assert all(t > 0 for t in rp.vocab_padding_times(tokens=4, width=8, dtype=torch.bfloat16).values())
+
+
+def test_a_recorded_test_run_gives_the_chapter_s_time_and_its_slow_cells():
+    ref = {"notebooks": {"notebooks/09_x.ipynb": {"total_s": 147.2, "cells": [
+        {"seconds": 93.2, "gpu_tag": True, "first_line": "from course_lib.chapters.ch09.ladder import resnet50"},
+        {"seconds": 0.4, "first_line": "import torch"}, {"seconds": 4.1, "first_line": "print(1)"}]}}}
+    lines = rp.read_cell_times(ref, "notebooks/09_x.ipynb").splitlines()
+    assert lines[0] == "notebooks/09_x.ipynb: 147 s in all; the cells over a second:" and len(lines) == 3
+    assert lines[1].split()[:3] == ["93.2", "s", "(gpu)"] and "(gpu)" not in lines[2]
+    assert "not in this record" in rp.read_cell_times(ref, "notebooks/10_y.ipynb")
+    recorded = load_references("celltimes_*.json")
+    if recorded:
+        assert "s in all" in rp.read_cell_times(recorded[0], "notebooks/09_capstone.ipynb")
 
 
 def test_fp8_is_read_against_bf16_alone_and_with_its_casts():

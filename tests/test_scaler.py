@@ -202,6 +202,21 @@ def tiny_batches(n=3, seed=0):
     return [(torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(n)]
 
 
+def test_gradients_shifted_below_fp16s_range_stop_unscaled_training_and_the_scaler_restores_it():
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
+    batches = [(x[i * 16 : (i + 1) * 16], y[i * 16 : (i + 1) * 16]) for i in range(4)] * 6
+    rows = U.shifted_gradient_runs(lambda: nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(),
+                                                         nn.Linear(32, 10)), batches, shifts=(0, 24))
+    by = {(r["shift"], r["mode"]): r for r in rows}
+    assert [r["gap"] for r in rows if r["gap"] is not None] == [0.0, 0.0]  # fp32: the same steps at any shift
+    unscaled, scaled = by[(24, "fp16, no scaler")], by[(24, "fp16 + GradScaler")]
+    assert unscaled["zero"] == 1.0 and unscaled["loss"][:4] == unscaled["loss"][-4:]  # no gradient: no step
+    assert scaled["zero"] < 0.5 and scaled["loss"][-1] < scaled["loss"][0] and scaled["scale"] == 2.0**16
+    text = U.format_shifted_runs(rows)
+    assert "2^-24" in text and all(len(line) <= 100 for line in text.splitlines())
+
+
 def test_fp16_run_skips_exactly_the_overflowing_steps():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))

@@ -1,19 +1,19 @@
 """A training step's memory, walked through backward and measured: the MLP (chapters 02 and 10).
 
 Chapter 02 asks why autocast *raises* the peak of a weight-heavy MLP's step; this module answers
-with a prediction and a measurement, and chapter 10 builds every other model's prediction on the
-same two tools:
+with a prediction and a measurement (chapter 10 measures every step it predicts with the second):
 
 - `mlp_moments` predicts the bytes the step holds at each moment of its backward pass, walked op
   by op from what each layer saves (no fitted constant): the peak is the largest moment.
 - `tracked_peak` measures a step with PyTorch's own tracker,
   `torch.distributed._tools.mem_tracker.MemTracker`, under `FakeTensorMode`: the tensors have
   shapes and dtypes but no data, so nothing is computed or allocated and a 12 GiB step is measured
-  on a laptop CPU in seconds. The second step is measured (the first has no optimizer state yet).
+  on a laptop CPU in seconds. The second step is measured (the first, untracked, makes the
+  optimizer's state).
 
-What fake tensors cannot run: a GradScaler's step (it reads found_inf with .item()), and anything
-else that needs a value (`fake=False` runs real tensors instead: small sizes only). CPU
-autocast's op lists are CPU's, not CUDA's.
+What fake tensors cannot run: anything that needs a value (`fake=False` runs real tensors instead:
+small sizes only); a GradScaler's step reads found_inf, so on fake tensors it is always taken.
+CPU autocast's op lists are CPU's, not CUDA's.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 def tracked_peak(
     build: Callable[[], nn.Module],
     batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-    optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer | None],
     precision: str = "fp32",
     step_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[object, torch.Tensor]] | None = None,
     steps: int = 2,
@@ -43,9 +43,11 @@ def tracked_peak(
     fake: bool = True,
 ) -> dict[str, int]:
     """Chapters 02, 10: MemTracker's peak, in bytes by category ("Total" too), of a training step on
-    a CPU. `step_loss(model, x, y)` returns (what the loop holds, the loss); by default a
-    classifier's cross-entropy, the loop holding nothing else. `scaler`: the fp16 recipe's
-    GradScaler around backward and step (it needs real values: `fake=False`)."""
+    a CPU: the last of `steps` steps, the ones before run untracked (they make the optimizer's
+    state). `step_loss(model, x, y)` returns (what the loop holds, the loss); by default a
+    classifier's cross-entropy, the loop holding nothing else. `optimizer` may return None: forward
+    and backward only. `scaler`: the fp16 recipe's GradScaler around backward and step (on fake
+    tensors its step is always taken: it cannot read found_inf, and with no overflow a real one is)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -55,26 +57,42 @@ def tracked_peak(
         model = build()
         opt = optimizer(model)
         x, y = batch()
-        grad_scaler = torch.amp.GradScaler("cpu", enabled=scaler)
+        grad_scaler = (_StepTaken if fake else torch.amp.GradScaler)("cpu", enabled=scaler)
+        last: list = [None]  # what the loop holds, replaced when the next step's forward returns
+
+        def one_step() -> None:
+            with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                last[0] = step_loss(model, x, y)
+            grad_scaler.scale(last[0][1]).backward()
+            if opt is None:
+                model.zero_grad(set_to_none=True)
+                return
+            grad_scaler.step(opt)
+            grad_scaler.update()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(steps - 1):
+            one_step()
         tracker = MemTracker()
+        # made before the tracker started, so it is told about them: the model, the optimizer's state,
+        # what it steps that is not the model's (fp32 master weights, chapter 10), what the loop holds
         in_model = {id(t) for t in model.parameters()}
-        # what the optimizer steps that is not the model's (fp32 master weights, chapter 10): made
-        # before the tracker started, so it is told about them, as about the model and its state
-        masters = [t for group in opt.param_groups for t in group["params"] if id(t) not in in_model]
-        tracker.track_external(model, opt, *masters)
+        masters = [t for group in opt.param_groups for t in group["params"] if id(t) not in in_model] if opt else []
+        held = [t for t in (last[0] or ()) if isinstance(t, torch.Tensor)]
+        tracker.track_external(model, *([opt] if opt else []), *masters, *held)
+        del held
         with tracker:
-            for i in range(steps):
-                with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-                    held, loss = step_loss(model, x, y)  # noqa: F841  (held as a training loop holds it)
-                grad_scaler.scale(loss).backward()
-                grad_scaler.step(opt)
-                grad_scaler.update()
-                opt.zero_grad(set_to_none=True)
-                if i == 0:
-                    tracker.reset_mod_stats()
+            one_step()
         peak = tracker.get_tracker_snapshot("peak")
     by_kind = next(iter(peak.values()))
     return {getattr(kind, "value", kind): n for kind, n in by_kind.items()}
+
+
+class _StepTaken(torch.amp.GradScaler):
+    """A GradScaler for fake tensors: its step is taken without reading found_inf (.item())."""
+
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):  # type: ignore[override]
+        return optimizer.step(*args, **kwargs)
 
 
 def _cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[None, torch.Tensor]:

@@ -25,7 +25,15 @@ from course_lib.chapters.ch01.format_limits import fates
 from course_lib.chapters.ch03.scaler import f32
 from course_lib.tables import table
 
-__all__ = ["gradient_sample", "fates_at_scales", "format_fates", "plot_gradient_histograms"]
+__all__ = [
+    "gradient_sample",
+    "fates_at_scales",
+    "format_fates",
+    "plot_gradient_histograms",
+    "shifted_gradient_runs",
+    "format_shifted_runs",
+    "plot_shifted_runs",
+]
 
 FP16_MAX = 65504.0
 FP16_TINY = 2.0**-14  # smallest normal fp16
@@ -121,5 +129,91 @@ def plot_gradient_histograms(samples: dict[str, torch.Tensor], scales: Sequence[
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("share of non-zero values (% per 0.5 bin)")
     axes[0][0].legend(loc="upper left", fontsize=7.5)
+    fig.tight_layout()
+    return fig
+
+
+_MODES = ("fp32", "fp16, no scaler", "fp16 + GradScaler")
+
+
+def shifted_gradient_runs(
+    make_model: Callable[[], nn.Module],
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    shifts: Sequence[int] = (0, 12, 16, 24),
+    lr: float = 0.05,
+) -> list[dict]:
+    """Chapter 03: `make_model()` trained on `batches` (one step each, on this CPU) for each k in `shifts`,
+    three ways: fp32; fp16 autocast without a scaler; fp16 autocast with torch.amp.GradScaler
+    (its defaults). The loss is the cross-entropy times 2^-k, which makes every gradient exactly 2^-k
+    times smaller, as if the model's gradients sat k binades lower, and SGD's learning rate (momentum
+    0.9) is lr times 2^k, so that fp32 takes the same steps whatever k: power-of-two factors are exact.
+    Rows {"shift", "mode", "loss" (the cross-entropy per step), "zero" (the share of gradient entries
+    exactly 0, over the run), "scale" (the last one; 1 without a scaler), "gap" (the largest difference
+    of the final parameters from fp32's at the first shift)}."""
+    rows, reference = [], None
+    for k in shifts:
+        for mode in _MODES:
+            torch.manual_seed(0)
+            model = make_model()
+            opt = torch.optim.SGD(model.parameters(), lr=lr * 2.0**k, momentum=0.9)
+            scaler = torch.amp.GradScaler("cpu", enabled=mode == _MODES[2])
+            losses, zeros = [], []
+            for x, y in batches:
+                with torch.autocast("cpu", dtype=torch.float16, enabled=mode != _MODES[0]):
+                    ce = F.cross_entropy(model(x), y)
+                opt.zero_grad(set_to_none=True)
+                scaler.scale(ce * 2.0**-k).backward()
+                grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+                zeros.append((grads == 0).float().mean().item())
+                scaler.step(opt)
+                scaler.update()
+                losses.append(ce.item())
+            params = torch.cat([p.detach().flatten() for p in model.parameters()])
+            reference = params if reference is None else reference
+            rows.append(
+                {
+                    "shift": k,
+                    "mode": mode,
+                    "loss": losses,
+                    "zero": sum(zeros) / len(zeros),
+                    "scale": scaler.get_scale() if scaler.is_enabled() else 1.0,
+                    "gap": (params - reference).abs().max().item() if mode == _MODES[0] else None,
+                }
+            )
+    return rows
+
+
+def format_shifted_runs(rows: Sequence[dict], last: int = 10) -> str:
+    """Chapter 03: shifted_gradient_runs as a table: per shift and mode, the cross-entropy at the first
+    step and over the `last` steps, the share of gradient entries that were 0, the last scale."""
+    columns = [
+        ("gradients x", lambda r: f"2^-{r['shift']}", ">"),
+        ("", "mode", "<"),
+        ("loss, first step", lambda r: r["loss"][0], ".3f"),
+        (f"last {last} steps", lambda r: sum(r["loss"][-last:]) / len(r["loss"][-last:]), ".3f"),
+        ("gradient entries 0 %", lambda r: 100 * r["zero"], ".1f"),
+        ("scale", lambda r: _pow2(r["scale"]), ">"),
+    ]
+    return table(rows, columns)
+
+
+def plot_shifted_runs(rows: Sequence[dict], shift: int):
+    """Chapter 03: the loss per step of the three runs at one shift, each line drawn so that none hides
+    another (fp32 and the scaled run lie on top of each other when the scaler works)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    styles = {_MODES[0]: ("C0", "-", 5.0), _MODES[1]: ("C3", "-", 2.0), _MODES[2]: ("C2", "--", 2.0)}
+    for r in rows:
+        if r["shift"] == shift:
+            color, style, width = styles[r["mode"]]
+            ax.plot(
+                range(1, len(r["loss"]) + 1), r["loss"], color=color, ls=style, lw=width, alpha=0.8, label=r["mode"]
+            )
+    ax.set(
+        xlabel="step", ylabel="cross-entropy (nats)", title=f"every gradient x 2^-{shift}: three runs from one start"
+    )
+    ax.legend(loc="center right")
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig

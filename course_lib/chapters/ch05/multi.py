@@ -212,6 +212,7 @@ class GanHistory:
     d_skipped: list[bool] = field(default_factory=list)
     g_skipped: list[bool] = field(default_factory=list)
     seconds: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)  # each iteration's wall time
 
 
 def train_gan(
@@ -237,7 +238,7 @@ def train_gan(
     scaler = mode.make_scaler(growth_interval=growth_interval)
     hist = GanHistory(mode=mode.name)
     g = torch.Generator().manual_seed(seed)
-    t0 = time.perf_counter()
+    t0 = last = time.perf_counter()
     for _ in range(steps):
         idx = torch.randint(0, len(images), (batch_size,), generator=g).to(device)
         z = torch.randn(batch_size, gen.z_dim, generator=g).to(device)
@@ -245,6 +246,9 @@ def train_gan(
         r = gan_step(gen, disc, opt_g, opt_d, scaler, images[idx], z, mode)
         for key in ("d_loss", "g_loss", "d_skipped", "g_skipped"):
             getattr(hist, key).append(r[key])
+        now = time.perf_counter()
+        hist.step_seconds.append(now - last)
+        last = now
     hist.seconds = time.perf_counter() - t0
     return gen, disc, hist
 
@@ -263,17 +267,20 @@ def gan_iterations(
     lo: int = 100,
     hi: int = 2000,
     batch_size: int = 64,
-    warmup: int = 3,
-    probe: int = 10,
+    warmup: int = 5,
+    probe: int = 20,
 ) -> tuple[int, float]:
-    """Chapter 05: (iterations, seconds per iteration): how many GAN iterations fit in `budget_s` here.
+    """Chapter 05: (iterations, seconds per iteration): how many GAN iterations fit in `budget_s` here,
+    rounded down to a multiple of 100 and kept within [lo, hi] (steps_within).
 
-    Times `probe` iterations of train_gan after `warmup` untimed ones (the first calls set up
-    kernels and libraries). The GAN's time per iteration depends on the host (it is launch- and
-    sync-bound on a GPU, and CPU fp16 kernels are fast only on some CPUs), not on a rule.
+    Runs `warmup` + `probe` iterations and takes the median time of the last `probe`: the first ones
+    pay for setting up kernels, libraries and the optimizers' state, and one iteration on a shared
+    machine can catch a neighbour's burst, which the median ignores. The GAN's time per iteration
+    depends on the host (it is launch- and sync-bound on a GPU, and CPU fp16 kernels are fast only on
+    some CPUs), not on a rule.
     """
-    train_gan(images, mode, steps=warmup, batch_size=batch_size)
-    per = train_gan(images, mode, steps=probe, batch_size=batch_size)[2].seconds / probe
+    times = sorted(train_gan(images, mode, steps=warmup + probe, batch_size=batch_size)[2].step_seconds[warmup:])
+    per = times[len(times) // 2]
     return steps_within(budget_s, per, lo, hi), per
 
 

@@ -298,6 +298,16 @@ def format_profiling_reference(ref: dict, part: str) -> str:
             )
             sites = [_site(a["where"]) for a in snap["largest"]]
             out += [f"  {a['mib']:8.1f} MiB  {site}" for a, site in zip(snap["largest"], sites)]
+            if phases:  # the recording snapshots the last precision's trainer, after all the runs above
+                last = phases[-1]
+                out.append(
+                    textwrap.fill(
+                        f"the snapshot's step ({last['MiB']}): start + peak = {last['start'] + snap['peak_mib']:,.1f} "
+                        f"MiB, its backward column {last['backward']:,.1f} MiB; reserved "
+                        f"{snap['reserved_mib'] / max(p['backward'] for p in phases):.1f}x the table's largest peak",
+                        100,
+                    )
+                )
             old = [a["where"] for a, site in zip(snap["largest"], sites) if site != a["where"]]
             if old:
                 out.append(

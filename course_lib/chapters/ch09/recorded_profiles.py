@@ -24,7 +24,13 @@ __all__ = [
     "vocab_padding_times",
     "read_vocab_padding",
     "read_checkpointing",
+    "read_cell_times",
 ]
+
+
+# The share of the MFU formula's attention FLOPs (12*L*E*T per token: the full score matrix, forward and
+# backward) that causal kernels compute: the lower triangle, half of it.
+_CAUSAL_SHARE = 0.5
 
 
 def _fill(text: str) -> str:
@@ -109,24 +115,31 @@ def read_mfu(gpt: dict) -> str:
         k = r["kernels"]
         step_us = r["ms_per_step"] * 1e3
         shares = ", ".join(f"{c} {us / step_us:.0%}" for c, us in k["by_class_us"].items() if us / step_us >= 0.01)
+        # the record's attention rate counts the MFU formula's 12*L*E*T FLOPs per token: the whole T x T score
+        # matrix; the causal kernels compute its lower half, 6*L*E*T
+        causal = r["attention_tflops"] * _CAUSAL_SHARE
         out.append(
             _fill(
                 f"batch {r['batch']} x {r['seq']}: {r['ms_per_step']:.1f} ms per step, MFU {r['mfu']:.1%} of "
                 f"{peak:.0f} TFLOP/s; the GPU was busy {r['gpu_busy']:.0%} of the step: {shares}. The matmuls ran "
-                f"at {r['gemm_tflops']:.0f} TFLOP/s ({r['gemm_tflops'] / peak:.0%} of the peak), attention at "
-                f"{r['attention_tflops']:.0f}."
+                f"at {r['gemm_tflops']:.0f} TFLOP/s ({r['gemm_tflops'] / peak:.0%} of the peak); attention at "
+                f"{causal:.0f} TFLOP/s ({causal / peak:.0%}) counting the causal half its kernels compute, "
+                f"{r['attention_tflops']:.0f} by the MFU formula, which counts the masked half too."
             )
         )
     return "\n".join(out)
 
 
-def vocab_padding_times(tokens: int = 1024, width: int = 768, device: str = "cpu") -> dict[int, float]:
-    """Chapter 09: ms for the GPT's output layer, a (tokens x width) @ (width x vocab) matmul, with GPT-2's
-    50,257 words and with the vocabulary padded to 50,304 (a multiple of 64), measured here."""
+def vocab_padding_times(
+    tokens: int = 1024, width: int = 768, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> dict[int, float]:
+    """Chapter 09: ms for the GPT's output layer, a (tokens x width) @ (width x vocab) matmul in `dtype`, with
+    GPT-2's 50,257 words and with the vocabulary padded to 50,304 (a multiple of 64), measured here. On a GPU
+    pass its 16-bit type: the alignment that padding buys is the Tensor Cores', and fp32 does not use them."""
     out = {}
     for vocab in (50257, 50304):
-        x = torch.randn(tokens, width, device=device)
-        w = torch.randn(width, vocab, device=device)
+        x = torch.randn(tokens, width, device=device, dtype=dtype)
+        w = torch.randn(width, vocab, device=device, dtype=dtype)
         out[vocab] = time_fn(lambda x=x, w=w: x @ w, warmup=2, iters=5, device=device).median_ms
     return out
 
@@ -194,4 +207,19 @@ def read_fp8(gemms: list[dict], gpt: dict | None = None) -> str:
                 f"GPT-2 small, {r['recipe']:<10} batch {r['batch']} x {r['seq']}: {r['ms_per_step']:.1f} ms per step, "
                 f"x{base['ms_per_step'] / r['ms_per_step']:.2f}; loss at the end {sum(tail) / len(tail):.3f}"
             )
+    return "\n".join(out)
+
+
+def read_cell_times(ref: dict, notebook: str) -> str:
+    """Chapter 09: how long `notebook` ("notebooks/09_capstone.ipynb") took in a recorded GPU test run
+    (celltimes_<gpu>.json, made by tools/celltimes.py): in all, and each cell that took over a second,
+    `gpu` cells marked."""
+    run = ref["notebooks"].get(notebook)
+    if run is None:
+        return f"{notebook} is not in this record"
+    out = [f"{notebook}: {run['total_s']:.0f} s in all; the cells over a second:"]
+    for cell in run["cells"]:
+        if cell["seconds"] >= 1:
+            tag = " (gpu)" if cell.get("gpu_tag") else ""
+            out.append(f"  {cell['seconds']:6.1f} s{tag}  {cell['first_line'][:70]}")
     return "\n".join(out)

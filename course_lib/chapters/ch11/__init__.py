@@ -6,6 +6,8 @@
   the roofline's rules; a host-bound step predicted from its kernel count.
 - fp8.py: FP8 matmuls by hand: formats, tensorwise and rowwise scales, and what torch._scaled_mm
   computes.
+- microscaling.py: Microscaling by hand: MXFP8, MXFP4 and NVFP4 block scales (e8m0, e4m3), packed
+  4-bit codes, the floor and round-up rules, bit for bit with torchao's to_mx.
 
 Its exercises are checked by course_lib/tooling/checks/ch11.py; the half of each check that runs
 in the task process is course_lib/tooling/probes/ch11.py. Imports: the core, and earlier

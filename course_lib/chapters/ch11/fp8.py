@@ -12,8 +12,9 @@ to multiply the product by) and runs on a CPU too, so every number here can be c
 FP8 GPU. Tensorwise scaling uses one amax for a whole operand; rowwise uses one per row of `a` and
 one per column of `b` (the rows and columns a dot product pairs), so one outlier row costs only its
 own row's precision. Forward operands (activations, weights) use e4m3, which has more mantissa;
-gradients use e5m2, which has more range. Scales are computed from the current tensor (dynamic
-scaling): torchao removed delayed scaling, which used an amax history, in its 0.10 release.
+tensorwise recipes store gradients in e5m2, which has more range (torchao's rowwise recipe keeps e4m3
+for them). Scales are computed from the current tensor (dynamic scaling): torchao removed delayed
+scaling, which used an amax history, in its 0.10 release. Block scales (MX) are microscaling.py's.
 
 On a CPU `torch._scaled_mm` needs a recent torch (SCALED_MM_ON_CPU): the cells that call it ask
 `torch_at_least` first, and on an older torch print one line saying so.

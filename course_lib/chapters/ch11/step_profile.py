@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from course_lib.chapters.ch11.roofline import Ceilings, matmul_cost, measured_seconds
+from course_lib.device import AMP_DTYPES, mixed_precision_for
 from course_lib.tables import table
 from course_lib.timing import time_fn
 
@@ -285,29 +286,34 @@ def format_step_rows(rows: list[dict], top: int = 20) -> str:
     return table(slowest, columns, missing="-") + "\n\n" + table(list(totals.values()), by_kind) + tail
 
 
-def compile_reading(step_rows: list[dict], profiled_batch: int, ladder: list[dict]) -> dict:
-    """Chapter 11: what `torch.compile` removed from a step, from two recorded runs: a profiled step
-    (recorded_step_rows, at `profiled_batch`) and a ladder's rungs at its own batch (chapter 09's
-    ladder_gpt: "+ SDPA attention" uncompiled, "+ fused AdamW" compiled with the profile's optimizer).
-    The profile is scaled to the ladder's batch, all but the optimizer, whose time does not grow
-    with the batch. Compiling leaves matmuls and attention to the same library kernels, so what it
-    saved came out of the rest: {"batch", "kernels_ms", "rest_ms", "uncompiled_ms", "compiled_ms",
-    "rest_left_ms", "removed"} (the share of the rest removed)."""
+def compile_reading(
+    step_rows: list[dict], profiled_batch: int, ladder: list[dict], optimizer_ms: float | None = None
+) -> dict:
+    """Chapter 11: what `torch.compile` removed from a step, from a profiled step (recorded_step_rows, at
+    `profiled_batch`) and chapter 09's GPT ladder at its own batch: "+ SDPA attention" uncompiled and
+    "+ torch.compile", both with AdamW's foreach step. The profile is scaled to the ladder's batch, all
+    but the optimizer, whose time does not grow with it; `optimizer_ms` (the foreach step's time,
+    ladder_optimizer) replaces the profile's fused one, so that the runs differ only by compiling, which
+    leaves matmuls and attention to the same library kernels: what it saved came out of the rest.
+    {"batch", "kernels_ms", "rest_ms", "uncompiled_ms", "compiled_ms", "fused_ms" ("+ fused AdamW"),
+    "rest_left_ms", "removed" (the share of the rest removed)}."""
     ms: dict[str, float] = {}
     for r in step_rows:
         ms[r["kind"]] = ms.get(r["kind"], 0.0) + r["measured_us"] / 1e3
     batch = ladder[0]["batch"]
     scale = batch / profiled_batch
     kernels = scale * (ms.get("matmul", 0.0) + ms.get("attention", 0.0))
-    rest = scale * (ms.get("memory", 0.0) + ms.get("unmodelled", 0.0)) + ms.get("optimizer", 0.0)
+    optimizer = ms.get("optimizer", 0.0) if optimizer_ms is None else optimizer_ms
+    rest = scale * (ms.get("memory", 0.0) + ms.get("unmodelled", 0.0)) + optimizer
     rungs = {r["mode"]: r["ms_per_step"] for r in ladder}
-    compiled = rungs["+ fused AdamW"]
+    compiled = rungs["+ torch.compile"]
     return {
         "batch": batch,
         "kernels_ms": kernels,
         "rest_ms": rest,
         "uncompiled_ms": rungs["+ SDPA attention"],
         "compiled_ms": compiled,
+        "fused_ms": rungs.get("+ fused AdamW"),
         "rest_left_ms": compiled - kernels,
         "removed": 1 - (compiled - kernels) / rest,
     }
@@ -382,10 +388,11 @@ def format_fusion_rows(rows: list[dict]) -> str:
 
 def cuda_graph_rows(batch: int = 256, iters: int = 50) -> list[dict]:
     """Chapter 11: the course's small CNN (chapter 00; SGD, Fashion-MNIST-sized inputs) trained one
-    step at a time on a CUDA GPU, eager and replayed as one captured CUDA graph, in fp32 and under
-    bf16 autocast: {"mode", "eager_ms", "graph_ms", "speedup"} (medians of `iters` CUDA-event-timed
-    steps). Eager, the host launches every kernel of the step; the graph launches the whole recorded
-    step at once, so what it removes is the host's cost per kernel (section 5).
+    step at a time on a CUDA GPU, eager and replayed as one captured CUDA graph, in fp32 and under autocast
+    in the GPU's 16-bit type (`mixed_precision_for`: bf16, fp16 on a T4): {"mode", "eager_ms", "graph_ms",
+    "speedup"} (medians of `iters` CUDA-event-timed steps). Eager, the host launches every kernel of the
+    step; the graph launches the whole recorded step at once, so what it removes is the host's cost per
+    kernel (section 5). fp16 runs without a GradScaler, whose `step` reads the inf flag back to the host.
 
     The capture follows PyTorch's recipe for a whole training step ("CUDA Graphs", whole-network
     capture): warm-up steps on a side stream, gradients set to None so that backward allocates them
@@ -393,14 +400,11 @@ def cuda_graph_rows(batch: int = 256, iters: int = 50) -> list[dict]:
     Autocast runs with `cache_enabled=False`: `torch.cuda.make_graphed_callables`, PyTorch's own way
     of capturing, refuses autocast's cache of casted weights (torch/cuda/graphs.py), and so does this."""
     if not torch.cuda.is_available():
-        raise RuntimeError(
-            "CUDA graphs need a CUDA GPU; on this machine read the recorded rows instead "
-            "(tools/gpu_study.py roofline records them)"
-        )
+        raise RuntimeError("CUDA graphs need a CUDA GPU; read the recorded rows (tools/gpu_study.py roofline)")
     from course_lib.models import SimpleCNN
 
-    rows = []
-    for mode, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+    amp, rows = mixed_precision_for("cuda"), []  # bf16 from Ampere on; fp16 on a T4 or V100 (bf16 emulated)
+    for mode, dtype in (("fp32", None), (amp, AMP_DTYPES[amp])):
         torch.manual_seed(0)
         model = SimpleCNN().cuda()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -408,7 +412,7 @@ def cuda_graph_rows(batch: int = 256, iters: int = 50) -> list[dict]:
         y = torch.randint(0, 10, (batch,), device="cuda")
 
         def step() -> None:
-            with torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=dtype is not None, cache_enabled=False):
+            with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=dtype is not None, cache_enabled=False):
                 loss = F.cross_entropy(model(x), y)
             loss.backward()
             opt.step()

@@ -1,8 +1,17 @@
-"""Checks for exercise 11 (predicting speed; FP8). The reference is PyTorch itself: the grader
-quantizes each case's operands to e4m3 with fp8_max / amax scales and multiplies them with
-`torch._scaled_mm`, which runs on a CPU; the learner's scales must match and the product must
-match `_scaled_mm`'s to rounding. The usual mistakes are named: an inverted scale, the amax of the
-wrong axis, e5m2 for a forward operand, a product never scaled back, operands never rounded."""
+"""Checks for exercise 11 (predicting speed; FP8; microscaling).
+
+11.fp8_matmul: the reference is PyTorch itself: the grader quantizes each case's operands to e4m3 with
+fp8_max / amax scales and multiplies them with `torch._scaled_mm`, which runs on a CPU; the learner's
+scales must match and the product must match `_scaled_mm`'s to rounding. The usual mistakes are
+named: an inverted scale, the amax of the wrong axis, e5m2 for a forward operand, a product never
+scaled back, operands never rounded.
+
+11.mx_quantize: the learner's MXFP8 or MXFP4 bytes (e8m0 scales, e4m3 elements or packed e2m1 codes)
+must equal, bit for bit, what the course's microscaling module computes in the grader (the same bytes
+as torchao's `to_mx`) on fresh tensors whose blocks differ in size along both axes. Named: the floor
+rule for the round-up one and back, e8m0 rounded by a cast, 448 for 2^8, blocks down the wrong axis or
+one scale per row, unbiased exponents, a scale applied instead of divided, saturation forgotten,
+unpacked or swapped nibbles."""
 
 from __future__ import annotations
 
@@ -12,11 +21,21 @@ import random
 import torch
 
 from ...chapters.ch11.fp8 import SCALED_MM_ON_CPU
+from ...chapters.ch11.microscaling import (
+    ELEMENTS,
+    FORMATS,
+    e2m1_codes,
+    mx_quantize,
+    pack_fp4,
+    scale_exponents,
+    unpack_fp4,
+)
 from ..checkbase import Check, CheckFailure, describe_value, expect_list, register
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+E8M0 = getattr(torch, "float8_e8m0fnu", None)  # torch 2.7 and newer
 
 
 def _operands(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,3 +179,184 @@ class FP8Matmul(Check):
             raise CheckFailure(f"{what}: out is the exact fp32 product: {first}")
         err = ((out - want_out.double()).norm() / want_out.double().norm()).item()
         raise CheckFailure(f"{what}: out differs from torch._scaled_mm's product by {err:.2%} (relative norm)")
+
+
+# --------------------------------------------------------------------------- 11.mx_quantize
+
+
+def _e_variants(amax: torch.Tensor, elem: str) -> dict[str, torch.Tensor]:
+    """Unbiased block exponents by the two rules and by the plausible ways to get them wrong."""
+    top, emax = ELEMENTS[elem]
+    safe = amax.clamp(min=torch.finfo(torch.float32).tiny)
+
+    def clamp(e: torch.Tensor) -> torch.Tensor:
+        return e.clamp(-127, 127).to(torch.int32)
+
+    cast = (amax / top).to(torch.float8_e8m0fnu).view(torch.uint8).to(torch.int32) - 127 if E8M0 else None
+    out = {
+        "floor": scale_exponents(amax, elem, "floor"),
+        "rceil": scale_exponents(amax, elem, "rceil"),
+        "floor of log2(amax / max)": clamp(torch.floor(torch.log2(safe / top))),
+        "ceil of log2(amax) - emax": clamp(torch.ceil(torch.log2(safe)) - emax),
+    }
+    if cast is not None:
+        out["e8m0 cast"] = cast
+    return out
+
+
+def _bytes(value: object, where: str) -> tuple[torch.Tensor | None, str]:
+    """(the bytes as a uint8 tensor, or None where the answer holds values instead; its dtype name)."""
+    if not isinstance(value, dict) or "dtype" not in value or not isinstance(value.get("shape"), list):
+        raise CheckFailure(f"{where} is {describe_value(value)}, not a tensor")
+    if "bytes" not in value:
+        return None, str(value["dtype"])
+    try:
+        t = torch.tensor(value["bytes"], dtype=torch.int64).reshape(value["shape"])
+    except (TypeError, ValueError, RuntimeError):
+        raise CheckFailure(f"{where} could not be read as bytes") from None
+    return t.to(torch.uint8), str(value["dtype"])
+
+
+def _mx_case_tensor(rng: random.Random) -> torch.Tensor:
+    """A tensor for 11.mx_quantize: 32 or 64 rows (so that blocks down the columns would fit too) by 64 to
+    128 columns, never square; rows and groups of 8 columns scaled by random powers of two, so that blocks
+    differ in size along both axes; one all-zero block."""
+    rows, cols = rng.choice([(32, 64), (32, 96), (64, 96), (64, 128), (32, 128)])
+    gen = torch.Generator().manual_seed(rng.randrange(10**6))
+    row_size = torch.exp2(torch.randint(-12, 12, (rows, 1), generator=gen).float())
+    col_size = torch.exp2(torch.randint(-6, 6, (1, cols // 8), generator=gen).float()).repeat_interleave(8, 1)
+    x = torch.randn(rows, cols, generator=gen) * row_size * col_size
+    x[rng.randrange(rows), :32] = 0.0
+    return x
+
+
+@register
+class MXQuantize(Check):
+    name, args, points = "11.mx_quantize", ("mx_quantize",), 3
+    hint = (
+        "Chapter 11, section 11: cut each row into blocks of 32 along the last axis; amax = each block's largest "
+        "|x|; the exponent e is floor(log2 amax) - emax (emax 8 for e4m3, 2 for e2m1) under 'floor' and "
+        "ceil(log2(amax / max)) (max 448 or 6) under 'rceil', clamped to -127..127; the scales are e + 127 as "
+        "torch.uint8 (or torch.float8_e8m0fnu). The elements are x / 2^e, clamped to +-max, then rounded: "
+        "torch.float8_e4m3fn for 'mxfp8'; e2m1 codes for 'mxfp4' (sign in bit 3, values 0, 0.5, 1, 1.5, 2, 3, 4, "
+        "6, ties to the even code), two a byte, the first element in the low nibble."
+    )
+    forbidden = ("course_lib", "torchao")
+    forbidden_why = "write the block scales and elements yourself, as chapter 11 does, instead of calling a library's"
+
+    def cases(self, rng: random.Random) -> list:
+        combos = [("mxfp8", "floor"), ("mxfp8", "rceil"), ("mxfp4", "floor"), ("mxfp4", "rceil")]
+        rng.shuffle(combos)
+        return [{"x": _mx_case_tensor(rng).tolist(), "fmt": fmt, "rule": rule} for fmt, rule in combos]
+
+    def describe(self, case: dict) -> str:
+        return f"mx_quantize(x: {len(case['x'])}x{len(case['x'][0])}, {case['fmt']!r}, {case['rule']!r})"
+
+    def judge(self, cases: list, results: list) -> None:
+        for case, got in zip(cases, expect_list(results, "mx_quantize's answers", len(cases))):
+            self._judge_one(case, got)
+
+    def _judge_one(self, case: dict, got: object) -> None:
+        what = self.describe(case)
+        scales_got, data_got = expect_list(got, f"{what}'s answer (scales, data)", 2)
+        x = torch.tensor(case["x"])
+        fmt, rule = case["fmt"], case["rule"]
+        elem = FORMATS[fmt][0]
+        rows, cols = x.shape
+        want = mx_quantize(x, fmt, rule)
+        scales, dtype = _bytes(scales_got, f"{what}: scales")
+        shape = tuple(scales_got["shape"])
+        if shape != (rows, cols // 32):
+            named = {
+                (rows // 32, cols): "blocks of 32 down the columns (dim 0): MX blocks run along the last axis",
+                (cols, rows // 32): "blocks of 32 down the columns (dim 0): MX blocks run along the last axis",
+                (rows, 1): "one scale per row: MX has one per block of 32 along the row",
+                (rows,): "one scale per row: MX has one per block of 32 along the row",
+                (): "one scale for the whole tensor: MX has one per block of 32 along each row",
+                (1,): "one scale for the whole tensor: MX has one per block of 32 along each row",
+            }
+            because = f": {named[shape]}" if shape in named else ""
+            raise CheckFailure(f"{what}: scales have shape {shape}; expected {(rows, cols // 32)}{because}")
+        amax = x.reshape(rows, cols // 32, 32).abs().amax(dim=-1)
+        variants = _e_variants(amax, elem)
+        if scales is None:
+            values = torch.tensor(scales_got.get("values", []), dtype=torch.float64).reshape(shape)
+            if torch.equal(values, variants[rule].double()):
+                raise CheckFailure(f"{what}: scales are the unbiased exponents e: e8m0 stores e + 127, as torch.uint8")
+            raise CheckFailure(
+                f"{what}: scales came back as {dtype} values; return e8m0 bytes: e + 127 as torch.uint8, or "
+                "torch.float8_e8m0fnu"
+            )
+        if not torch.equal(scales, want.scales):
+            got_e = scales.to(torch.int32) - 127
+            reasons = {
+                "floor": "the floor rule where round-up ('rceil') was asked",
+                "rceil": "the round-up rule where 'floor' was asked",
+                "e8m0 cast": "amax / max cast to torch.float8_e8m0fnu, which rounds to the nearest power of two "
+                f"(ties up); the '{rule}' rule rounds {'down' if rule == 'floor' else 'up'}",
+                "floor of log2(amax / max)": "floor(log2(amax / max)): the floor rule subtracts emax, the exponent "
+                "of the largest power of two in the format (8 for e4m3: 256, not 448)",
+                "ceil of log2(amax) - emax": "ceil(log2 amax) - emax: the floor rule rounds log2 amax down",
+            }
+            same = [key for key, e in variants.items() if key != rule and torch.equal(got_e, e)]
+            because = [why for key, why in reasons.items() if key in same]
+            bad = tuple((scales != want.scales).nonzero()[0].tolist())
+            raise CheckFailure(
+                f"{what}: the scale of block {list(bad)} is {int(scales[bad])}, expected {int(want.scales[bad])} "
+                f"(amax {amax[bad].item():.6g})" + (f": {because[0]}" if because else "")
+            )
+        self._judge_data(case, what, data_got, want, x)
+
+    def _judge_data(self, case: dict, what: str, data_got: object, want: object, x: torch.Tensor) -> None:
+        elem = FORMATS[case["fmt"]][0]
+        rows, cols = x.shape
+        data, dtype = _bytes(data_got, f"{what}: data")
+        expected = (rows, cols) if elem == "e4m3" else (rows, cols // 2)
+        shape = tuple(data_got["shape"])
+        if data is None:
+            raise CheckFailure(
+                f"{what}: data came back as {dtype} values; return "
+                + ("torch.float8_e4m3fn (or its bytes)" if elem == "e4m3" else "the packed codes as torch.uint8")
+            )
+        if shape != expected:
+            unpacked = elem == "e2m1" and shape == (rows, cols)
+            because = ": e2m1 codes are packed two a byte, the first element in the low nibble" if unpacked else ""
+            raise CheckFailure(f"{what}: data has shape {shape}; expected {expected}{because}")
+        if torch.equal(data, want.data):
+            return
+        top = ELEMENTS[elem][0]
+        e = want.scales.to(torch.int32) - 127
+        blocks = x.reshape(rows, cols // 32, 32)
+        scale = torch.exp2(e.float()).unsqueeze(-1)
+
+        def encode(values: torch.Tensor) -> torch.Tensor:
+            values = values.reshape(rows, cols)
+            if elem == "e4m3":
+                return values.clamp(-top, top).to(torch.float8_e4m3fn).view(torch.uint8)
+            return pack_fp4(e2m1_codes(values))
+
+        named = {
+            "the scale applied instead of divided: the elements are x / 2^e": encode(blocks * scale),
+        }
+        if elem == "e2m1":
+            named["the two codes of a byte swapped: the first element goes in the low nibble"] = (want.data >> 4) | (
+                (want.data & 15) << 4
+            )
+        because = [why for why, alt in named.items() if torch.equal(data, alt)]
+        scaled = (blocks / scale).reshape(rows, cols)
+        if elem == "e2m1":  # element by element
+            wrong = (unpack_fp4(data) != unpack_fp4(want.data)).reshape(rows, cols)
+        else:
+            wrong = (data != want.data).reshape(rows, cols)
+        beyond = wrong & (scaled.abs() > top)  # a value beyond the format's largest, stored as something else
+        if not because and bool(beyond.any()):
+            wrong = beyond
+            because = [f"saturation forgotten: a value beyond {top:g} after scaling is stored as {top:g}: clamp first"]
+        i, j = wrong.nonzero()[0].tolist()
+        exp_codes = want.data.reshape(rows, -1) if elem == "e4m3" else unpack_fp4(want.data).reshape(rows, cols)
+        got_codes = data.reshape(rows, -1) if elem == "e4m3" else unpack_fp4(data).reshape(rows, cols)
+        raise CheckFailure(
+            f"{what}: element [{i}, {j}] (x = {x[i, j].item():.6g}, x / 2^e = {scaled[i, j].item():.6g}) is stored "
+            f"as {int(got_codes[i, j]):#04x}, expected {int(exp_codes[i, j]):#04x}"
+            + (f": {because[0]}" if because else "")
+        )
