@@ -36,7 +36,7 @@ help:
 	@echo "make test-gpu         the same suite as make test with the current python3 and the GPU cells forced on"
 	@echo "make test-floor       library tests and chapters on the LOWEST torch/torchvision pyproject.toml allows (.venv-floor)"
 	@echo "make bench            FP32 / TF32 / AMP table for this machine (python -m course_lib.chapters.ch00.bench)"
-	@echo "make site             the published edition: every chapter and exercise as HTML with its outputs, in build/site/"
+	@echo "make site             the published edition: the course as a book with its outputs, read offline (build/site/)"
 	@echo "make exercises        regenerate exercises/ from solutions/"
 	@echo "make stamp            write the Colab badge and setup cell (from pyproject.toml) into every notebook"
 	@echo "make grade SUBMISSIONS=dir [GRADEBOOK=dir] [JOBS=n]   grade a folder of submissions (resumes)"
@@ -68,13 +68,14 @@ venv: $(STAMP) $(LAB_SETTINGS)
 # Rooted at the repository, so the file browser and the chapters' links reach exercises/,
 # solutions/, course_lib/ and data/; it opens on chapter 00 with the file browser at the top
 # (file-browser-path; passing the notebook as an argument instead would root JupyterLab at
-# notebooks/). The course's contents manager keeps a notebook that was only read byte for byte
-# unchanged (course_lib/tooling/lab.py). Before starting, git is told to read the notebooks
-# without their outputs (course_lib/tooling/notebook_filter.py; nothing happens outside a git checkout), so
-# running a chapter leaves `git status` clean and `git pull` free.
+# notebooks/). course_lib/tooling/lab.py runs JupyterLab printing that URL with its token joined by
+# `&` (jupyter lab prints `...?file-browser-path=/?token=...`, which opens the login page), and its
+# contents manager keeps a notebook that was only read byte for byte unchanged. Before starting, git
+# is told to read the notebooks without their outputs (course_lib/tooling/notebook_filter.py; nothing
+# happens outside a git checkout), so running a chapter leaves `git status` clean and `git pull` free.
 lab: $(STAMP) $(LAB_SETTINGS)
 	@$(VPY) course_lib/tooling/notebook_filter.py install "$(CURDIR)"
-	$(VPY) -m jupyter lab $(LAB_ROOT) --ServerApp.root_dir="$(CURDIR)" \
+	$(VPY) -m course_lib.tooling.lab $(LAB_ROOT) --ServerApp.root_dir="$(CURDIR)" \
 	  --ServerApp.contents_manager_class=course_lib.tooling.lab.CourseContentsManager \
 	  "--LabApp.default_url=/lab/tree/notebooks/00_setup.ipynb?file-browser-path=/" \
 	  --LabApp.news_url=None --LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate $(LAB_ARGS)
@@ -140,10 +141,12 @@ test-floor: $(FLOOR_STAMP)
 bench: $(STAMP)
 	$(VPY) -m course_lib.chapters.ch00.bench
 
-# The published edition (README, "Reading the course"): build/site/index.html, offline. It reuses the
-# outputs `make test` saved in build/executed/ and executes only the notebooks that run has not
-# (SITE_ARGS=--reuse-only refuses to: CI checks that nothing runs twice). Then every internal
-# link, anchor and image is checked.
+# The published edition (README, "Reading without running"): build/site/index.html, a book read offline
+# (Sphinx, course_lib/tooling/site_template/). It reuses the outputs `make test` saved in build/executed/
+# and executes only the chapters that run has not (SITE_ARGS=--reuse-only refuses to: CI checks that
+# nothing runs twice); exercises are published as the course ships them, never with a learner's answers.
+# Then the check: every link, anchor and image, nothing from the network, no data dump, no path of this
+# machine, no answered exercise.
 SITE_ARGS ?=
 site: $(STAMP)
 	$(VPY) -m course_lib.tooling.site build $(SITE_ARGS)

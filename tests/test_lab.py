@@ -32,8 +32,9 @@ def test_make_lab_serves_the_whole_course_from_the_repository_root(tmp_path):
     # Only what a headless test needs: no root_dir here, so the Makefile's own choice is tested.
     args = f"--no-browser --port={port} --ip=127.0.0.1 --IdentityProvider.token={token}"
     env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path), "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg")}
+    log = tmp_path / "lab.log"
     proc = subprocess.Popen(["make", "-s", "lab", f"LAB_ARGS={args}"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
     def get(path: str):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}?token={token}", timeout=30) as r:
@@ -47,8 +48,7 @@ def test_make_lab_serves_the_whole_course_from_the_repository_root(tmp_path):
                 break
             except OSError:
                 time.sleep(1)
-        output = proc.stdout.read1().decode() if proc.poll() is not None else ""
-        assert root is not None, f"JupyterLab did not answer; output:\n{output}"
+        assert root is not None, f"JupyterLab did not answer; output:\n{log.read_text()}"
         names = {item["name"] for item in root["content"]}
         assert {"notebooks", "exercises", "solutions", "course_lib", "data", "README.md"} <= names
         listing = json.loads(get("/api/contents/exercises")[1])
@@ -58,9 +58,32 @@ def test_make_lab_serves_the_whole_course_from_the_repository_root(tmp_path):
         # the page it opens on is chapter 00 (LabApp.default_url)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/?token={token}", timeout=30) as r:
             assert r.url.split("?")[0].endswith("/lab/tree/notebooks/00_setup.ipynb")
+        # the URL it prints (for --no-browser) opens the lab, not its login page: one `?`, the token
+        # joined by `&` (a token given in the configuration is printed as `...`)
+        printed = re.findall(rf"http://127\.0\.0\.1:{port}/\S+", log.read_text())
+        assert printed and all(url.count("?") == 1 for url in printed), printed
+        assert printed[0].endswith("/lab/tree/notebooks/00_setup.ipynb?file-browser-path=/&token=...")
+        with urllib.request.urlopen(printed[0].replace("token=...", f"token={token}"), timeout=30) as r:
+            assert "/login" not in r.url and b"JupyterLab" in r.read()
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+def test_the_printed_url_joins_the_token_to_the_default_urls_query():
+    from urllib.parse import parse_qs, urlparse
+
+    from course_lib.tooling.lab import one_query
+
+    parts = urlparse("http://host:8888/lab/tree/notebooks/00_setup.ipynb")._replace(
+        path="/lab/tree/notebooks/00_setup.ipynb?file-browser-path=/", query="token=abc"
+    )  # as jupyter_server builds it: default_url as the path, the token as the query
+    assert parts.geturl().count("?") == 2
+    url = one_query(parts).geturl()
+    assert url == "http://host:8888/lab/tree/notebooks/00_setup.ipynb?file-browser-path=/&token=abc"
+    assert parse_qs(urlparse(url).query) == {"file-browser-path": ["/"], "token": ["abc"]}
+    plain = urlparse("http://host:8888/lab?token=abc")
+    assert one_query(plain) == plain
 
 
 @pytest.mark.skipif(not (ROOT / ".venv" / ".installed-stamp").exists(), reason="no .venv made by make")

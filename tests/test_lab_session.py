@@ -223,8 +223,15 @@ def test_a_learner_runs_saves_and_reopens_chapters_00_and_07(tmp_path):
         seen["url"] = driver.current_url
         first = CHAPTERS[0]
         wait_for(f"{first} to open", lambda: driver.execute_script(JS_PANEL + f"return !!panelOf('{first}')"), 120)
-        wait_for("the file browser's listing", lambda: driver.execute_script(JS_BROWSER)["items"], 60)
-        time.sleep(2)  # the browser moves to file-browser-path after opening the notebook
+        # the file browser shows the notebook's folder first, then moves to file-browser-path (the top):
+        # 2 s were not always enough on a loaded machine; a browser that never moves fails below
+        def at_top():
+            return "README.md" in driver.execute_script(JS_BROWSER)["items"]
+
+        try:
+            wait_for("the file browser at the course's top folder", at_top, 60)
+        except TimeoutError:
+            pass
         seen["file_browser"] = driver.execute_script(JS_BROWSER)
         driver.save_screenshot(str(shots / "00-opened.png"))
 

@@ -26,7 +26,13 @@ After each save it asks git to compare the notebook again through the course's c
 (course_lib/tooling/notebook_filter.py, which `make lab` configures): a chapter whose only change is its
 outputs then shows as unmodified, and `git pull` can update it.
 
-    jupyter lab --ServerApp.contents_manager_class=course_lib.tooling.lab.CourseContentsManager
+The URL it prints. `make lab` opens chapter 00 with the file browser at the course's top folder
+(LabApp.default_url with `?file-browser-path=/`); jupyter_server prints that URL with `?token=...`
+appended, so a remote or headless learner (LAB_ARGS=--no-browser) got two `?`, a URL whose token the
+server does not read, and a login page. `python -m course_lib.tooling.lab` runs JupyterLab with the
+token joined to the query by `&` (`one_query`).
+
+    python -m course_lib.tooling.lab --ServerApp.contents_manager_class=course_lib.tooling.lab.CourseContentsManager
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import platform
 import re
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +56,8 @@ __all__ = [
     "carry_saved_widgets",
     "drop_unsaved_widgets",
     "refresh_git",
+    "one_query",
+    "main",
 ]
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -182,3 +191,30 @@ class CourseContentsManager(AsyncLargeFileManager):
         if model.get("type") == "notebook" and model.get("content"):
             add_version(model["content"])
         return model
+
+
+def one_query(parts: urllib.parse.ParseResult) -> urllib.parse.ParseResult:
+    """A URL whose path still carries a query (LabApp.default_url's `?file-browser-path=/`) with that
+    query joined to its own (`token=...`) by `&`, as a browser and the server read it."""
+    path, mark, query = parts.path.partition("?")
+    if not mark:
+        return parts
+    return parts._replace(path=path, query="&".join(q for q in (query, parts.query) if q))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`jupyter lab`, printing URLs that open the lab (`one_query`): JupyterLab itself, on a server
+    whose URLs are joined by `one_query` (LabApp.serverapp_class, the server its launch makes)."""
+    from jupyter_server.serverapp import ServerApp
+    from jupyterlab.labapp import LabApp
+
+    class CourseServerApp(ServerApp):
+        def _get_urlparts(self, *args: Any, **kwargs: Any) -> urllib.parse.ParseResult:
+            return one_query(super()._get_urlparts(*args, **kwargs))
+
+    LabApp.serverapp_class = CourseServerApp
+    LabApp.launch_instance(argv)
+
+
+if __name__ == "__main__":
+    main()
