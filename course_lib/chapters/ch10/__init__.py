@@ -1,10 +1,14 @@
 """Chapter 10 (10_memory.ipynb): the library code its cells call, one module per topic.
 
-- memory_model.py: Where a training step's memory goes, predicted tensor by tensor.
-- explorer.py: The memory explorer: batch, sequence, precision and checkpointing moved, GPT-2
-  small's predicted step redrawn by kind (a widget with a static picture).
-- measure.py: A training step's memory measured by PyTorch's own tracker (MemTracker under
-  FakeTensorMode, on a CPU), for chapter 10's predictions.
+- predict.py: The one entry point: a training step described (`Step`) and its memory predicted
+  moment by moment (`predict_step`): the peak, the moment it falls at, the bytes by kind.
+- memory_model.py: Where a step's memory goes, moment by moment: a tape of the forward pass walked
+  forward, recomputed and backward.
+- tapes.py: The forward pass of each model of the course (GPT, MLP, SimpleCNN, ResNet-50) as a tape.
+- measure.py: Any step predict_step takes, measured by PyTorch's own tracker (MemTracker under
+  FakeTensorMode, on a CPU).
+- explorer.py: The memory explorer: every option of a GPT step moved, its predicted peak redrawn
+  by kind (a widget with a static picture).
 - master_weights.py: Pure bf16 weights with fp32 master copies: the fix for w + Δw == w.
 - recorded.py: A recorded GPU run's memory, predicted row by row with CUDA's rules.
 

@@ -3,8 +3,11 @@
 A model stored in bf16 loses every update smaller than half the gap between neighbouring bf16
 numbers. Keeping an fp32 master copy of each weight and stepping that copy keeps the small updates:
 the bf16 weights the forward uses are re-rounded from the masters after each step. The price is
-memory: 4 bytes of master weight per parameter on top of the 2-byte bf16 weight, and AdamW's two
-moments in fp32 (8 bytes), which is more per parameter than autocast's 16 (chapter 10, section 8).
+memory, per parameter, as this class holds it: the bf16 weight (2 bytes), its fp32 master (4) and
+AdamW's two fp32 moments (8) from step to step; its bf16 gradient (2) while backward runs; and at
+the step, where each bf16 gradient is copied to an fp32 `.grad` and released, the fp32 gradients
+(4): 18 bytes a parameter, against autocast's 16 (fp32 weight 4, fp32 gradient 4, AdamW 8) plus its
+16-bit weight copies while forward and backward run (chapter 10, section 8).
 """
 
 from __future__ import annotations

@@ -1,42 +1,30 @@
-"""Where a training step's memory goes, predicted tensor by tensor: chapter 10.
+"""Where a training step's memory goes, moment by moment: a tape of the forward pass, walked (chapter 10).
 
-A prediction is built from what each layer saves for backward (a per-tensor count, no fitted
-constant) and from the order backward frees it: the step's peak is its largest moment.
+A model's forward pass is written down as a tape of `Node`s (course_lib.chapters.ch10.tapes writes
+one for each model of the course): what each op makes, what it saves for backward, which tensors'
+gradients its backward makes. `walk` replays the tape the way PyTorch runs it and adds up, after
+every op, the bytes alive then — a *moment*. No constant is fitted; the rules are PyTorch's:
 
-- The GPT (`gpt_step_tensors`, `predicted_peak`): two moments, the start of backward (every saved
-  activation, autocast's 16-bit weight copies, the logits the loop holds and cross-entropy's two
-  fp32 gradient temporaries) and AdamW's step; fp32, autocast, pure bf16 and bf16 with fp32 master
-  weights, on the CPU's rules or CUDA's.
-- The MLP and SimpleCNN: their backward walked op by op, in the homes of the chapters that first
-  read them (`course_lib.chapters.ch02.step_memory.mlp_moments`, `course_lib.chapters.ch04.cnn_memory.cnn_moments`).
-- ResNet-50 (`resnet50_tape`, `resnet50_moments`): its forward as a tape of nodes, walked in reverse.
+- forward: an op's output exists from the op on; Python lets go of it after the last op that reads
+  it (or when the module whose local variable holds it returns: `Tape.until`, `Tape.keep`); an op
+  that saves a tensor keeps it until that op's backward has run;
+- checkpointing (non-reentrant): a checkpointed segment saves only its inputs; backward re-runs it
+  when the first of its saved tensors is needed, and stops once the last one has been saved again;
+- backward runs the ops in reverse: each makes the gradients of its inputs (a new tensor each,
+  unless it passes the incoming one on), then its saved tensors and the incoming gradient go; a
+  second gradient for the same tensor is summed *out of place* (the engine's `InputBuffer`: the
+  tied wte/lm_head weight, the residual stream); a gradient made in slices is gathered (`cat`);
+- a leaf's gradient stays as its `.grad` until the optimizer has stepped.
 
-course_lib.chapters.ch10.measure measures the same steps with PyTorch's own tracker
-(`MemTracker` under `FakeTensorMode`, on a CPU; fp16 with a GradScaler on real tensors);
-tests/test_memory_model.py holds every prediction within 2% of it, and within 2% of an H100's
-recorded peaks (course_lib.chapters.ch10.recorded). Not predicted: checkpointing's recompute moment
-where the vocabulary is small (the head's moment is predicted), and what SimpleCNN's GPU
-rows hold beyond the walk (most likely cuDNN's convolution workspaces).
+The step's peak is its largest moment; course_lib.chapters.ch10.predict adds the optimizer's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
-import torch
-
-from course_lib.models import GPTConfig, resnet50
-
-__all__ = [
-    "Held",
-    "PRECISIONS",
-    "gpt_step_tensors",
-    "predicted_peak",
-    "totals_by_category",
-    "Node",
-    "resnet50_tape",
-    "resnet50_moments",
-]
+__all__ = ["Held", "Node", "Tape", "Walk", "walk", "totals_by_category"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +32,7 @@ class Held:
     """Chapter 10: one tensor (or one kind of tensor) a training step holds at some moment."""
 
     what: str
-    category: str  # parameters | gradients | optimizer | activations | weight copies | held | temporaries
+    category: str  # parameters | buffers | gradients | optimizer | activations | weight copies | held | temporaries
     numel: int
     itemsize: int  # bytes per element
 
@@ -53,120 +41,252 @@ class Held:
         return self.numel * self.itemsize
 
 
-def _param_count(c: GPTConfig) -> int:
-    # token and position embeddings, per block 12 C^2 weights + 13 C biases and LayerNorms, ln_f; lm_head is tied
-    return (
-        c.vocab_size * c.n_embd
-        + c.block_size * c.n_embd
-        + c.n_layer * (12 * c.n_embd**2 + 13 * c.n_embd)
-        + 2 * c.n_embd
-    )
+@dataclass(frozen=True)
+class Node:
+    """Chapter 10: one op of a forward pass, as memory sees it. `out` and `side` are the tensors it
+    makes (`out` is the one whose gradient comes back; `out` among `inputs`: in place); backward
+    makes the gradients of `inputs` (parameters included) unless `passes` hands the incoming one on;
+    `saved` are kept for backward; `reads` only keeps a tensor alive through the op. `part`: the
+    gradient it makes for its input is a slice of that input's (gathered once all slices came)."""
+
+    name: str
+    out: str = ""
+    inputs: tuple[str, ...] = ()
+    saved: tuple[str, ...] = ()
+    passes: tuple[str, ...] = ()
+    side: tuple[str, ...] = ()
+    reads: tuple[str, ...] = ()
+    segment: int = -1  # the checkpointed segment it runs in; -1: none
+    part: bool = False
+
+    def made(self) -> list[str]:
+        return [t for t in (self.out, *self.side) if t and t not in self.inputs]
 
 
-PRECISIONS = ("fp32", "bf16", "fp16", "bf16-pure", "bf16-master")
+@dataclass
+class Tape:
+    """Chapter 10: a forward pass written down: its tensors (by name), its parameters (name ->
+    the bytes per element of their gradients), its nodes in order, and how long Python holds a
+    tensor beyond its last reader: until a module returns (`until`: tensor -> node name), until
+    the whole forward returns (`keep`: autocast's cache of 16-bit weights, a model's locals), or
+    past the forward (`held`: what the training loop keeps, the logits or the loss).
+    `during_backward`: what exists while `.backward()` runs (a scaled loss); `through_backward`:
+    tensors of the forward that live until backward returns (cross-entropy's total weight).
+    `views`: tensors that share another's storage (view -> base): holding one holds the base."""
+
+    tensors: dict[str, Held] = field(default_factory=dict)
+    nodes: list[Node] = field(default_factory=list)
+    params: dict[str, int] = field(default_factory=dict)
+    buffers: list[Held] = field(default_factory=list)
+    until: dict[str, str] = field(default_factory=dict)
+    keep: set[str] = field(default_factory=set)
+    held: tuple[str, ...] = ()
+    during_backward: list[Held] = field(default_factory=list)
+    through_backward: set[str] = field(default_factory=set)
+    views: dict[str, str] = field(default_factory=dict)
+
+    def tensor(self, name: str, numel: int, itemsize: int, category: str = "activations") -> str:
+        """Declare a tensor; returns its name."""
+        self.tensors[name] = Held(name, category, numel, itemsize)
+        return name
+
+    def param(self, name: str, numel: int, itemsize: int) -> str:
+        """Declare a parameter (its gradient has its dtype); returns its name."""
+        self.tensors[name] = Held(name, "parameters", numel, itemsize)
+        self.params[name] = itemsize
+        return name
+
+    def add(self, name: str, out: str = "", inputs: tuple[str, ...] = (), **how) -> Node:
+        """Append a node (the keyword arguments are Node's)."""
+        node = Node(name, out, inputs, **how)
+        self.nodes.append(node)
+        return node
+
+    def stores(self, t: str) -> bool:
+        """Whether holding `t` costs the step memory (a parameter or the batch exists anyway)."""
+        return t not in self.params and self.tensors[t].category != "batch"
+
+    def storage(self, t: str) -> str:
+        """The tensor whose storage `t` is (itself, or a view's base)."""
+        return self.views.get(t, t)
 
 
-def gpt_step_tensors(
-    c: GPTConfig,
-    batch: int,
-    seq: int,
-    precision: str = "fp32",
-    checkpointing: bool = False,
-    *,
-    device: str = "cpu",
-    logits_held: bool = True,
-    optimizer: str = "foreach",
-) -> dict[str, list[Held]]:
-    """Chapter 10: what one training step of the course's GPT holds, phase by phase ("backward": at
-    the start of backward; "step": inside AdamW's step).
+class Walk:
+    """Chapter 10: what is alive during a step (each tensor with a count of what holds it), every
+    moment's total in bytes (`moments`, in order), and the largest moment: `peak`, its name
+    (`moment`) and the tensors alive then (`held`). `capture` names a moment whose tensors to keep
+    instead of the peak's."""
 
-    `precision`: "fp32"; "bf16" / "fp16" autocast (weights, gradients and AdamW's state stay fp32);
-    "bf16-pure" (the model cast to bf16, AdamW on the bf16 weights); "bf16-master" (the model in
-    bf16, AdamW on fp32 master copies: the step copies each bf16 gradient to an fp32 one).
-    `device`: "cuda" applies CUDA autocast's rule that differs from the CPU's (a materialized
-    softmax runs in fp32, and the next matmul saves a 16-bit copy of it). `logits_held`: the loop
-    keeps `logits, loss = model(x, y)` (the course's loops) or only the loss. `optimizer`:
-    "foreach" (one parameter-sized temporary during step) or "fused" (none)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; choose one of {PRECISIONS}")
-    C, L, V, nh = c.n_embd, c.n_layer, c.vocab_size, c.n_head
-    P = _param_count(c)
-    pure = precision.startswith("bf16-")
-    autocast = precision in ("bf16", "fp16")
-    p = 4 if precision == "fp32" else 2  # what a matmul's inputs and outputs are
-    f = 2 if pure else 4  # the residual stream and LayerNorm's inputs: fp32 under autocast
-    w = 2 if pure else 4  # the weights and their gradients
-    BT = batch * seq
-    BTC = BT * C
-    BTV = BT * V
-    weights = [Held(f"parameters ({'bf16' if pure else 'fp32'})", "parameters", P, w)]
-    if precision == "bf16-master":
-        weights.append(Held("fp32 master weights", "optimizer", P, 4))
-    state = 2 if precision == "bf16-pure" else 4  # AdamW's moments are the dtype of what it steps
-    adamw = [
-        Held("AdamW exp_avg and exp_avg_sq", "optimizer", 2 * P, state),
-        Held("AdamW step counters", "optimizer", 4 + 12 * L, 4),  # one per parameter tensor
-    ]
+    def __init__(self, fixed: list[Held], capture: str | None = None) -> None:
+        self.fixed = list(fixed)
+        self.alive: dict[object, Held] = {}
+        self.refs: Counter = Counter()
+        self.moments: dict[str, int] = {}
+        self.peak, self.moment, self.held = -1, "", []
+        self.capture = capture
+        self._fixed = sum(h.nbytes for h in fixed)
+        self._alive = 0
 
-    def attention(i: int) -> list[Held]:
-        if c.sdpa:  # one fused kernel saves q, k, v (one storage), its output (proj's input too) and logsumexp
-            return [
-                Held(f"block {i}: q, k, v", "activations", 3 * BTC, p),
-                Held(f"block {i}: attention output", "activations", BTC, p),
-                Held(f"block {i}: attention logsumexp", "activations", batch * nh * seq, 4),
-            ]
-        scores = batch * nh * seq * seq
-        if device == "cuda" and autocast:  # CUDA autocast runs softmax in fp32; the next bmm saves a 16-bit copy
-            softmax = [
-                Held(f"block {i}: softmax output (fp32, T x T per head)", "activations", scores, 4),
-                Held(f"block {i}: its 16-bit copy for the next matmul", "activations", scores, 2),
-            ]
-        else:
-            softmax = [Held(f"block {i}: softmax output (T x T per head)", "activations", scores, p)]
-        return [  # the textbook way: copies of q, k, v for the batched matmuls, the mask, the T x T softmax
-            Held(f"block {i}: q, k, v (copies for bmm)", "activations", 3 * BTC, p),
-            Held(f"block {i}: causal mask", "activations", seq * seq, 1),
-            *softmax,
-            Held(f"block {i}: proj input (heads side by side, a copy)", "activations", BTC, p),
-        ]
+    def hold(self, key: object, held: Held) -> None:
+        if key not in self.alive:
+            self.alive[key] = held
+            self._alive += held.nbytes
+        self.refs[key] += 1
 
-    saved = [Held("position indices", "activations", seq, 8)]
-    for i in range(L):
-        if checkpointing:  # only the block's input stays; backward recomputes the rest, one block at a time
-            saved.append(Held(f"block {i}: input (checkpointed)", "activations", BTC, f))
+    def drop(self, key: object) -> None:
+        if key in self.alive:
+            self.refs[key] -= 1
+            if self.refs[key] <= 0:
+                self._alive -= self.alive.pop(key).nbytes
+                del self.refs[key]
+
+    def record(self, name: str, *extra: Held) -> None:
+        """The moment `name`: everything alive, plus `extra` (what an op makes and frees in one go)."""
+        total = self._fixed + self._alive + sum(h.nbytes for h in extra)
+        self.moments[name] = total
+        if name == self.capture or (self.capture is None and total > self.peak):
+            self.held = [*self.fixed, *self.alive.values(), *extra]
+        if total > self.peak:
+            self.peak, self.moment = total, name
+
+
+def _stored(tape: Tape, names: tuple[str, ...]) -> list[str]:
+    """The storages that holding `names` keeps (a view keeps its base; parameters and the batch cost nothing)."""
+    return [tape.storage(t) for t in names if tape.stores(tape.storage(t))]
+
+
+def _forward(tape: Tape, w: Walk, nodes: list[Node], label: str, save, stop: bool = False) -> None:
+    """Nodes run forward: outputs made and the moment recorded, saved tensors kept (where `save`
+    says so), and Python's references let go as the tape says. `stop`: a recomputation, which ends
+    once the last node has saved its inputs (before it runs)."""
+    index = {n.name: i for i, n in enumerate(nodes)}
+    release: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        for t in (*n.made(), *n.inputs, *n.saved, *n.reads):
+            release[tape.storage(t)] = i
+    for t, until in tape.until.items():
+        if t in release and until in index:
+            release[t] = max(release[t], index[until])
+    python: list[str] = []
+    for i, n in enumerate(nodes):
+        if stop and i == len(nodes) - 1:
+            for t in _stored(tape, n.saved):
+                w.hold(t, tape.tensors[t])
+            break
+        for t in n.made():
+            if t not in tape.views:
+                w.hold(t, tape.tensors[t])
+                python.append(t)
+        w.record(f"{label}: {n.name}")
+        if save(n):
+            for t in _stored(tape, n.saved):
+                w.hold(t, tape.tensors[t])
+        lasting = tape.keep | tape.through_backward | set(tape.held)
+        for t in [t for t in python if release[t] == i and t not in lasting]:
+            w.drop(t)
+            python.remove(t)
+    for t in python:  # the forward returns (or the recomputation stops): its locals go
+        if t not in tape.held and t not in tape.through_backward:
+            w.drop(t)
+
+
+def walk(tape: Tape, fixed: list[Held], previous: list[Held] = (), capture: str | None = None) -> Walk:
+    """Chapter 10: every moment of one training step's forward and backward (with each checkpointed
+    segment's recomputation). `fixed`: what exists throughout (parameters, buffers, optimizer state);
+    `previous`: what the loop still holds from the step before while this forward runs."""
+    w = Walk(fixed, capture)
+    for i, h in enumerate(previous):
+        w.hold(("previous", i), h)
+    segments: dict[int, list[Node]] = {}
+    for n in tape.nodes:
+        if n.segment >= 0:
+            segments.setdefault(n.segment, []).append(n)
+    outside: dict[str, list[str]] = {}  # a segment's first node -> the inputs the checkpoint keeps
+    for seg in segments.values():
+        made = {tape.storage(t) for n in seg for t in n.made()}
+        ins = {t for n in seg for t in _stored(tape, (*n.inputs, *n.saved)) if t not in made}
+        outside[seg[0].name] = sorted(ins)
+
+    def save(n: Node) -> bool:
+        for t in outside.get(n.name, ()):
+            w.hold(t, tape.tensors[t])
+        return n.segment < 0
+
+    _forward(tape, w, tape.nodes, "forward", save)
+    for i in range(len(previous)):  # replaced by this step's
+        w.drop(("previous", i))
+    _backward(tape, w, segments, outside)
+    return w
+
+
+def _backward(tape: Tape, w: Walk, segments: dict[int, list[Node]], outside: dict[str, list[str]]) -> None:
+    uses = Counter(x for n in tape.nodes for x in n.inputs)
+    pending: dict[str, object] = {}  # tensor -> its gradient waiting in the engine's input buffer
+    parts: dict[str, list[object]] = {}
+    made = [0]
+
+    def grad(x: str, like: str, what: str = "") -> tuple[object, Held]:
+        made[0] += 1
+        h = tape.tensors[like]
+        itemsize = tape.params.get(x, h.itemsize)
+        category = "gradients" if x in tape.params else "temporaries"
+        return ("grad", made[0]), Held(what or f"gradient of {x}", category, h.numel, itemsize)
+
+    for i, h in enumerate(tape.during_backward):
+        w.hold(("backward", i), h)
+    root, held = grad("loss", tape.nodes[-1].out, "gradient of the loss (ones)")
+    w.hold(root, held)
+    pending[tape.nodes[-1].out] = root
+    recomputed: set[int] = set()
+    for n in reversed(tape.nodes):
+        if not n.inputs:
             continue
-        saved += [
-            Held(f"block {i}: ln1 input (residual stream)", "activations", BTC, f),
-            Held(f"block {i}: ln1 mean and rstd", "activations", 2 * BT, 4),
-            Held(f"block {i}: qkv input", "activations", BTC, p),
-            *attention(i),
-            Held(f"block {i}: ln2 input (residual stream)", "activations", BTC, f),
-            Held(f"block {i}: ln2 mean and rstd", "activations", 2 * BT, 4),
-            Held(f"block {i}: fc input", "activations", BTC, p),
-            Held(f"block {i}: GELU input", "activations", 4 * BTC, p),
-            Held(f"block {i}: proj input", "activations", 4 * BTC, p),
-        ]
-    saved += [
-        Held("ln_f input", "activations", BTC, f),
-        Held("ln_f mean and rstd", "activations", 2 * BT, 4),
-        Held("lm_head input", "activations", BTC, p),
-        Held("log-softmax output (fp32)", "activations", BTV, 4),
-        Held("loss", "activations", 1, 4),
-    ]
-    if autocast and not checkpointing:  # each Linear saves its weight: under autocast, a 16-bit copy
-        saved.append(Held("16-bit weight copies (autocast's cache)", "weight copies", L * 12 * C * C + V * C, 2))
-    elif autocast:
-        saved.append(Held("16-bit copy of the tied lm_head weight", "weight copies", V * C, 2))
-    logits = [Held("logits (the caller holds them)", "held", BTV, p)] if logits_held else []
-    backward = weights + adamw + saved + logits + [Held("cross-entropy gradients (fp32)", "temporaries", 2 * BTV, 4)]
-    step = weights + adamw + logits + [Held("loss", "activations", 1, 4)]
-    if precision == "bf16-master":  # each bf16 gradient copied to its master's .grad, then released
-        step.append(Held("fp32 gradients of the master weights", "gradients", P, 4))
-    else:
-        step.append(Held(f"gradients ({'bf16' if pure else 'fp32'})", "gradients", P, w))
-    if optimizer == "foreach":
-        step.append(Held("AdamW foreach temporaries", "temporaries", P, state))
-    return {"backward": backward, "step": step}
+        if n.segment >= 0 and n.segment not in recomputed and n.saved:  # its first unpack re-runs the segment
+            recomputed.add(n.segment)
+            seg = segments[n.segment]
+            last = max(j for j, m in enumerate(seg) if m.saved)
+            _forward(tape, w, seg[: last + 1], "recompute", lambda m: True, stop=True)
+        incoming = pending.pop(n.out, None)
+        grads = []
+        for x in n.inputs:
+            if x in n.passes and incoming is not None:
+                grads.append((x, incoming, None))
+            else:
+                grads.append((x, *grad(x, n.out if n.part else x)))
+        w.record(f"backward: {n.name}", *(h for _, _, h in grads if h is not None))
+        for _, key, h in grads:
+            w.hold(key, h or w.alive[key])
+        if incoming is not None:
+            w.drop(incoming)
+        for t in _stored(tape, n.saved):
+            w.drop(t)
+        for t in outside.get(n.name, ()):
+            w.drop(t)
+        for x, key, _ in grads:
+            uses[x] -= 1
+            if n.part:  # a slice: when the last one comes, all are gathered into one gradient
+                parts.setdefault(x, []).append(key)
+                if uses[x] == 0:
+                    whole_key, whole = grad(x, x)
+                    w.record(f"backward: {x}'s gradient gathered", whole)
+                    w.hold(whole_key, whole)
+                    for k in parts.pop(x):
+                        w.drop(k)
+                    pending[x] = whole_key
+                continue
+            if x in pending:  # a second gradient for the same tensor, summed out of place
+                total_key, total = grad(x, x)
+                w.record(f"backward: {x}'s gradients summed", total)
+                w.hold(total_key, total)
+                w.drop(pending.pop(x))
+                w.drop(key)
+                key = total_key
+            if not (x in tape.params and uses[x] == 0):  # a leaf's finished gradient is its .grad
+                pending[x] = key
+    for i in range(len(tape.during_backward)):
+        w.drop(("backward", i))
+    for t in tape.through_backward:
+        w.drop(t)
 
 
 def totals_by_category(held: list[Held]) -> dict[str, int]:
@@ -175,131 +295,3 @@ def totals_by_category(held: list[Held]) -> dict[str, int]:
     for t in held:
         totals[t.category] = totals.get(t.category, 0) + t.nbytes
     return totals
-
-
-def predicted_peak(
-    c: GPTConfig, batch: int, seq: int, precision: str = "fp32", checkpointing: bool = False, **loop: str | bool
-) -> int:
-    """Chapter 10: the largest phase of gpt_step_tensors, in bytes (`loop`: its keyword arguments)."""
-    phases = gpt_step_tensors(c, batch, seq, precision, checkpointing, **loop)
-    return max(sum(t.nbytes for t in held) for held in phases.values())
-
-
-# --------------------------------------------------------------------------- ResNet-50: a tape, walked backward
-
-
-@dataclass(frozen=True)
-class Node:
-    """Chapter 10: one op of a forward pass, as its backward sees it: what it saves (tensor names),
-    the tensor it makes, the inputs whose gradients it makes, and its parameters (count)."""
-
-    name: str
-    saved: tuple[str, ...]
-    out: str
-    inputs: tuple[str, ...]
-    params: int = 0
-
-
-def resnet50_tape(batch: int, size: int, precision: str = "fp32", classes: int = 1000):
-    """Chapter 10: torchvision's ResNet-50 forward as a tape: (bytes of every tensor by name, nodes in
-    forward order). Convolutions save their input and weight (under autocast a 16-bit copy of each);
-    BatchNorm saves its input and its batch mean and inverse std (fp32); the in-place ReLU saves its
-    output (BatchNorm's); max-pool saves its input and int64 indices; the residual add saves nothing."""
-    p = 2 if precision in ("bf16", "fp16") else 4
-    amp = p == 2
-    sizes: dict[str, int] = {}
-    nodes: list[Node] = []
-
-    def tensor(name: str, numel: int, itemsize: int) -> str:
-        sizes[name] = numel * itemsize
-        return name
-
-    def conv_bn(name: str, x: str, cin: int, cout: int, k: int, hw: int, stride: int = 1, relu: bool = True):
-        out_hw = (hw + 2 * (k // 2) - k) // stride + 1
-        n_w = cout * cin * k * k
-        copy = (tensor(f"{name}.w16", n_w, 2),) if amp else ()
-        conv = tensor(f"{name}.conv", batch * cout * out_hw * out_hw, p)
-        nodes.append(Node(f"{name}.conv", (x, *copy), conv, (x,), n_w))
-        stats = tensor(f"{name}.stats", 2 * cout, 4)
-        bn = tensor(f"{name}.bn", batch * cout * out_hw * out_hw, p)
-        nodes.append(Node(f"{name}.bn", (conv, stats), bn, (conv,), 2 * cout))
-        if relu:
-            nodes.append(Node(f"{name}.relu", (bn,), bn, (bn,)))
-        return bn, out_hw
-
-    x = tensor("x16", batch * 3 * size * size, p) if amp else "x"  # fp32: the batch itself, nothing new
-    if not amp:
-        sizes["x"] = 0
-    stem, hw = conv_bn("stem", x, 3, 64, 7, size, stride=2)
-    nodes[0] = Node("stem.conv", nodes[0].saved, nodes[0].out, (), nodes[0].params)  # the batch needs no gradient
-    hw_pool = (hw + 2 - 3) // 2 + 1
-    indices = tensor("stem.pool.indices", batch * 64 * hw_pool * hw_pool, 8)
-    pooled = tensor("stem.pool", batch * 64 * hw_pool * hw_pool, p)
-    nodes.append(Node("stem.pool", (stem, indices), pooled, (stem,)))
-    block_in, c_in, hw = pooled, 64, hw_pool
-    for stage, (width, blocks, stride) in enumerate(((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2))):
-        for k in range(blocks):
-            s = stride if k == 0 else 1
-            name = f"layer{stage + 1}.{k}"
-            a, _ = conv_bn(f"{name}.1", block_in, c_in, width, 1, hw)
-            b, out_hw = conv_bn(f"{name}.2", a, width, width, 3, hw, stride=s)
-            c, _ = conv_bn(f"{name}.3", b, width, 4 * width, 1, out_hw, relu=False)
-            if k == 0:
-                identity, _ = conv_bn(f"{name}.downsample", block_in, c_in, 4 * width, 1, hw, stride=s, relu=False)
-            else:
-                identity = block_in
-            nodes.append(Node(f"{name}.add", (), c, (c, identity)))
-            nodes.append(Node(f"{name}.relu", (c,), c, (c,)))
-            block_in, c_in, hw = c, 4 * width, out_hw
-    features = tensor("avgpool", batch * 2048, p)
-    nodes.append(Node("avgpool", (block_in,), features, (block_in,)))
-    copy = (tensor("fc.w16", classes * 2048, 2),) if amp else ()
-    logits = tensor("logits", batch * classes, p)
-    nodes.append(Node("fc", (features, *copy), logits, (features,), classes * 2048 + classes))
-    log_softmax = tensor("log_softmax", batch * classes, 4)
-    nodes.append(Node("loss", (log_softmax,), "loss", (logits,)))
-    return sizes, nodes
-
-
-def resnet50_moments(
-    batch: int, size: int, precision: str = "fp32", classes: int = 1000, momentum: bool = True
-) -> dict[str, int]:
-    """Chapter 10: ResNet-50's step (SGD with momentum) at each moment of backward, walking its tape in
-    reverse: a saved tensor is freed when the first node (in forward order) that saves it has run
-    backward; a gradient waits until the node that made its tensor runs; under autocast each weight
-    gradient is made in 16 bits and cast to the fp32 .grad. `momentum=False`: SGD has not made its
-    buffer yet (no step has run: a GradScaler that skipped every step so far)."""
-    amp = precision in ("bf16", "fp16")
-    p = 2 if amp else 4
-    with torch.device("meta"):  # shapes only: counting parameters and buffers allocates nothing
-        meta = resnet50(num_classes=classes)
-    params = 4 * sum(t.numel() for t in meta.parameters())
-    buffers = sum(t.numel() * t.element_size() for t in meta.buffers())  # BatchNorm's running statistics
-    state = params if momentum else 0  # SGD's momentum buffer, one fp32 copy of the parameters
-    fixed = params + buffers + state
-    sizes, nodes = resnet50_tape(batch, size, precision, classes)
-    first_user: dict[str, int] = {}
-    for i, node in enumerate(nodes):
-        for name in node.saved:
-            first_user.setdefault(name, i)
-    alive = set(first_user)
-    grads = 0
-    waiting: dict[str, int] = {}  # tensor name -> bytes of its gradient, until the node that made it runs
-    moments: dict[str, int] = {}
-    for i in reversed(range(len(nodes))):
-        node = nodes[i]
-        grad_out = waiting.pop(node.out, 0)
-        grad_in = sum(sizes[x] for x in node.inputs)
-        is_matmul = node.name.endswith(".conv") or node.name == "fc"
-        grad_w = node.params * (p if is_matmul else 4)  # BatchNorm's weight gradients are fp32
-        held = fixed + grads + sum(sizes[s] for s in alive) + sum(waiting.values())
-        moments[node.name] = held + grad_out + grad_in + grad_w
-        alive -= {s for s in node.saved if first_user[s] == i}
-        if amp and is_matmul:  # its saved tensors released, the 16-bit weight gradient cast to fp32
-            held = fixed + grads + sum(sizes[s] for s in alive) + sum(waiting.values())
-            moments[node.name + " (cast to fp32)"] = held + grad_in + grad_w + 4 * node.params
-        grads += 4 * node.params
-        for x in node.inputs:  # a second gradient for the same tensor is summed into the first
-            waiting[x] = waiting.get(x, 0) or sizes[x]
-    moments["optimizer step"] = fixed + grads
-    return moments
