@@ -138,7 +138,12 @@ def test_the_explorer_shows_a_picture_everywhere_and_redraws_when_a_control_move
     assert bundle["image/png"] and WIDGET_VIEW in bundle  # the live widget, and a picture for readers without one
     first = explorer.widget().children[-1].outputs  # the first picture is in the widget's own state,
     assert [o["output_type"] for o in first] == ["display_data"] and "image/png" in first[0]["data"]  # not shown
-    controls = {c.description: c for box in explorer.widget().children[:-1] for c in box.children}
+    *rows, note, _ = explorer.widget().children
+    controls = {c.description: c for box in rows for c in box.children}
+    # reopened without a kernel, the saved picture says so where it is drawn (ipywidgets marks the view
+    # jupyter-widgets-disconnected); live, the note is hidden
+    assert ".jupyter-widgets-disconnected .amp-saved{display:block}" in note.value
+    assert ".amp-saved{display:none}" in note.value and "Run this cell again" in note.value
     controls["batch"].value = 4
     assert explorer.state["batch"] == 4
     offered = (("precision", PRECISIONS), ("optimizer", OPTIMIZERS), ("attention", ("sdpa", "materialized")))

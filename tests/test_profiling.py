@@ -94,7 +94,7 @@ def test_show_traces_lists_sizes_and_links_the_files_relative_to_the_chapters(tm
 
 
 def test_the_profilers_banners_are_dropped_and_other_stderr_is_kept(capfd):
-    with P._quiet_profiler():
+    with P.quiet_profiler():
         os.write(2, b"USDT:2026 SyncActivityProfilerHandler.cpp:39] profiler_start\n"
                     b"ERROR:2026 DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35\n"
                     b"something a learner must see\n")

@@ -24,6 +24,7 @@ import textwrap
 from typing import Iterator
 
 import torch
+from tqdm.auto import tqdm
 
 from course_lib.device import (
     cpu_bf16_flags,
@@ -255,7 +256,8 @@ def precision_table(
                 model, precision, dev, batch=batch, steps=steps, allow_tf32=allow_tf32, channels_last=channels_last
             ),
         }
-        for label, precision, allow_tf32, channels_last, skipped in _rows_spec(dev, model)
+        # a bar while the rows are timed (seconds each); a closed one (leave=False) would reopen as "model not found"
+        for label, precision, allow_tf32, channels_last, skipped in tqdm(_rows_spec(dev, model), desc="timing")
     ]
     base = rows[0]["ms_per_step"]
     for r in rows:

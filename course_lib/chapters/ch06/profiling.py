@@ -27,7 +27,7 @@ import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch.profiler import ProfilerActivity
@@ -53,6 +53,7 @@ __all__ = [
     "trace_folder",
     "show_traces",
     "profile_steps",
+    "quiet_profiler",
     "format_schedule",
     "key_average_rows",
     "format_key_averages",
@@ -65,7 +66,9 @@ _NOISE = ("USDT:", "STAGE:", "gpuGetDeviceCount failed", "Memory block of unknow
 
 
 @contextlib.contextmanager
-def _quiet_profiler():
+def quiet_profiler() -> Iterator[None]:
+    """Chapter 06: the profiler's C++ banners and, without a GPU, Kineto's CUDA error
+    (`gpuGetDeviceCount failed`) dropped from the process's stderr; every other line still shows."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as tmp:
@@ -179,7 +182,7 @@ def profile_steps(
     times = []
     sched = torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=repeat)
     with (
-        _quiet_profiler(),
+        quiet_profiler(),
         torch.profiler.profile(
             activities=activities,
             schedule=sched,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import textwrap
 
 import torch
+from tqdm.auto import tqdm
 
 from course_lib.data import load_dataset
 from course_lib.device import mixed_precision_for, pick_device
@@ -38,11 +39,12 @@ def accuracy_parity(
     cuda = dev.type == "cuda"
     ds = load_dataset(train_size=train_size or (None if cuda else 2048), test_size=test_size, verbose=False)
     runs = {}
-    for label, precision, seed in (
+    three = (
         ("fp32, seed 0", "fp32", 0),
         ("fp32, seed 1", "fp32", 1),
         (f"{mixed_precision_for(dev)}, seed 0", mixed_precision_for(dev), 0),
-    ):
+    )
+    for label, precision, seed in tqdm(three, desc="runs"):  # a bar while they train
         torch.manual_seed(seed)
         model = SimpleCNN(in_channels=1, width=width or (64 if cuda else 16))
         cfg = TrainConfig(precision=precision, device=str(dev), epochs=epochs, log_every=8, progress=False)

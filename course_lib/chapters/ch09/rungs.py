@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
+from tqdm.auto import tqdm
 
 from course_lib.data import load_dataset
 from course_lib.device import mixed_precision_for, pick_device
@@ -136,7 +137,7 @@ def course_ladder(
     amp = mixed_precision_for(dev)
     ds = load_dataset(train_size=None if cuda else 2048, verbose=False)
     rows = []
-    for rung in COURSE_RUNGS:
+    for rung in tqdm(COURSE_RUNGS, desc="rungs"):  # a bar: the ladder takes seconds even on a CPU
         label = rung.label.replace("AMP", f"AMP {amp}")
         compiled = rung.compiled
         if compiled and not compiles_quickly(dev, compile_on_cpu):  # not measured; the last rung runs eager

@@ -44,6 +44,16 @@ def draw_step(step: Step, measured: float | None = None):
     return fig
 
 
+# Shown above the chart only where the widget has no kernel behind it: a notebook reopened with its
+# saved widget state, or a kernel restarted. ipywidgets marks such a view `jupyter-widgets-disconnected`
+# (its red icon); the controls still move, the chart does not, and this says why.
+SAVED_NOTE = (
+    "<style>.amp-saved{display:none}.jupyter-widgets-disconnected .amp-saved{display:block}</style>"
+    '<div class="amp-saved">&#9888; The picture saved with the notebook: the controls move, the chart does '
+    "not. Run this cell again to explore.</div>"
+)
+
+
 class MemoryExplorer:
     """Chapter 10: the live explorer of a GPT's step (GPT-2 small by default). Display it (the last
     line of a cell); `measured` maps (batch, seq, precision, optimizer, checkpointing, attention) to a
@@ -145,4 +155,4 @@ class MemoryExplorer:
         first = {"image/png": self._png(), "text/plain": f"MemoryExplorer({self.state})"}
         out.outputs = ({"output_type": "display_data", "data": first, "metadata": {}},)
         c = list(controls.values())
-        return W.VBox([W.HBox(c[:2]), W.HBox(c[2:4]), W.HBox(c[4:6]), W.HBox(c[6:]), out])
+        return W.VBox([W.HBox(c[:2]), W.HBox(c[2:4]), W.HBox(c[4:6]), W.HBox(c[6:]), W.HTML(SAVED_NOTE), out])

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from course_lib.chapters.ch06.profiling import quiet_profiler
 from course_lib.chapters.ch11.roofline import Ceilings, matmul_cost, measured_seconds
 from course_lib.device import AMP_DTYPES, mixed_precision_for
 from course_lib.tables import table
@@ -146,7 +147,7 @@ def profile_step(step: Callable[[], object], steps: int = 3, dtype: str = "float
     from torch.profiler import ProfilerActivity, profile
 
     step()  # warm-up: the first call allocates and picks kernels
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(steps):
             step()
     ops = []
