@@ -3,7 +3,8 @@
 Most learners have no H100. So every chapter that measures something on a GPU also records
 it (`python -m course_lib.chapters.ch00.bench --json data/reference/bench_<gpu>.json`, ...) and
 shows the recorded file next to the learner's own measurement. Every file carries the same
-provenance: device, torch, CUDA, cuDNN, Python, date and the exact command. Until a file is
+provenance: device, torch, CUDA, cuDNN, Python, date, the exact command and the code it ran (the
+course's git commit, the recording file's git blob id: course_lib/_provenance.py). Until a file is
 recorded, a chapter says once, in its own words, what the GPU run would show and how to record
 it (docs/gpu.md lists every command); each cell that would show a file then prints one line.
 
@@ -21,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from ._provenance import code_of, current_command  # plumbing: not for reading
 from .data import DATA_DIR
 from .device import pick_device
 
@@ -45,6 +47,7 @@ def provenance(command: str) -> dict:
         "python": platform.python_version(),
         "date": datetime.date.today().isoformat(),
         "command": command,
+        **code_of(command),  # the course's commit, the file the command runs and its git blob id
     }
 
 
@@ -84,6 +87,8 @@ def show_reference(pattern: str, describe: Callable[[dict], str]) -> None:
     for ref in refs:
         prov = ref["provenance"]
         print(f"recorded on {_headline(prov)}  ({ref['file']})\n  command: {prov['command']}")
+        if now := current_command(prov["command"]):  # recorded before its module moved: what runs it now
+            print(f"  now:     {now}")
         if ref.get("erratum"):  # a measurement found wrong later: its values are null, and this says why
             print(textwrap.fill(f"erratum: {ref['erratum']}", 100, initial_indent="  ", subsequent_indent="    "))
         print(describe(ref))

@@ -54,7 +54,7 @@ def room(name: str) -> str:
 def test_the_rooms_exist_and_the_core_is_what_the_map_says():
     core = ["device", "data", "loaders", "models", "train", "timing", "tables", "reference"]
     assert [p.stem for p in CORE] == sorted(core)
-    assert [p.stem for p in PLUMBING] == ["_sources"]
+    assert [p.stem for p in PLUMBING] == ["_provenance", "_sources"]
     assert CHAPTER_MODULES and TOOLING
 
 

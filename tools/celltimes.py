@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{e['total_s']:7.1f} s  {path}   slowest: "
             + ", ".join(f"cell {c.get('cell', '?')} {c['seconds']:.1f} s" for c in slow)
         )
-    command = "python tools/celltimes.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    # quoted, as the --note is a sentence: the recorded command runs as printed
+    command = shlex.join(["python", "tools/celltimes.py", *(argv if argv is not None else sys.argv[1:])])
     prov = provenance(command)
     if args.device_of:
         ran = json.loads(Path(args.device_of).read_text())["provenance"]

@@ -22,7 +22,8 @@ copies, so the edition costs no second execution. A chapter with no copy, or who
 since its copy was made, is executed here with nbclient (and says so; --reuse-only refuses to), offline
 as `make test` runs it (COURSE_OFFLINE=1: the data loader never downloads).
 GPU results are those the CPU cells load from data/reference/; each page lists the recorded runs
-it reads, with their provenance, in a folded box under its title.
+it reads, with their provenance, in a folded box under its title: each command as it was recorded,
+and, where its module has moved since, the command that runs it now.
 
 What a reader sees, and only that (course_lib/tooling/edition/pages.py makes each page):
 - a chapter opens on its title and objectives; the Colab badge and the setup cell follow, folded;

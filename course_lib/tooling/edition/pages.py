@@ -26,6 +26,8 @@ from urllib.parse import unquote, urlsplit
 
 import nbformat
 
+from course_lib.tooling.notebook_filter import WIDGET_VIEW
+
 __all__ = [
     "shipped_exercise",
     "mathml",
@@ -39,7 +41,6 @@ __all__ = [
     "DUMP_CHARS",
 ]
 
-WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 DUMP_LINES, DUMP_CHARS = 200, 20_000  # conftest.py's data dump: an output longer than either is one
 BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
 LIVE_NOTE = '<p class="amp-live-note">A live widget in JupyterLab and Colab; here, the state it had after Run All.</p>'
@@ -257,6 +258,24 @@ def _recorded_runs(nb: nbformat.NotebookNode, root: Path) -> list[dict]:
     return [{"file": r["file"], **r.get("provenance", {})} for p in patterns for r in load_references(p, folder)]
 
 
+def _recorded_with(run: dict) -> str:
+    """A recorded run's command as recorded, what runs it now if its module moved since (MOVED, in
+    course_lib/_provenance.py), and the code it ran: the course's commit, or else the file's blob id."""
+    from course_lib.reference import current_command
+
+    e = html.escape
+    if not run.get("command"):
+        return ""
+    now = current_command(run["command"])
+    text = f"<br>recorded with <code>{e(run['command'])}</code>" + (f" (now <code>{e(now)}</code>)" if now else "")
+    note = f" ({e(run['commit_note'])})" if run.get("commit_note") else ""
+    if run.get("commit"):
+        text += f", at commit <code>{e(run['commit'][:12])}</code>{note}"
+    elif run.get("source_blob"):
+        text += f", <code>{e(run['source'])}</code> as blob <code>{e(run['source_blob'][:12])}</code>{note}"
+    return text
+
+
 def _about_html(prov: dict, runs: list[dict], gpu_cells: int, download: str) -> str:
     """The folded box under a page's title: what produced its outputs, and the notebook to download."""
     e = html.escape
@@ -276,8 +295,7 @@ def _about_html(prov: dict, runs: list[dict], gpu_cells: int, download: str) -> 
             items.append("<li>Recorded GPU results this page reads (<code>data/reference/</code>):<ul>")
             for r in runs:
                 what = ", ".join(e(str(r[k])) for k in ("device", "torch", "cuda", "date") if r.get(k) is not None)
-                command = f"<br><code>{e(r['command'])}</code>" if r.get("command") else ""
-                items.append(f"<li><code>{e(r['file'])}</code>: {what}{command}</li>")
+                items.append(f"<li><code>{e(r['file'])}</code>: {what}{_recorded_with(r)}</li>")
             items.append("</ul></li>")
         if gpu_cells and "no GPU used" in prov.get("machine", "no GPU used"):
             items.append(
