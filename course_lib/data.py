@@ -31,7 +31,7 @@ from torch.utils.data import TensorDataset
 
 from course_lib import _sources as sources  # where the raw arrays come from: plumbing, not for reading
 
-__all__ = ["DATA_DIR", "DatasetUnavailable", "DatasetBundle", "load_dataset"]
+__all__ = ["DATA_DIR", "DatasetUnavailable", "DatasetBundle", "load_dataset", "synthetic_batches"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_DIR: Path = Path(os.environ.get("COURSE_DATA_DIR") or REPO_ROOT / "data")
@@ -127,13 +127,24 @@ def _to_dataset(x: np.ndarray, y: np.ndarray, mean, std) -> TensorDataset:
 
 
 def _synthetic(train_size: int | None, test_size: int | None) -> tuple:
-    g = torch.Generator().manual_seed(0)
-    n_train, n_test = train_size or 10_000, test_size or 2_000
+    """synthetic_batches' random images and labels as two datasets: train (seed 0) and test (seed 1)."""
+    sizes = (train_size or 10_000, test_size or 2_000)
+    return tuple(TensorDataset(*synthetic_batches(1, n, seed=seed)[0]) for seed, n in enumerate(sizes))
 
-    def split(n):
-        return TensorDataset(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g))
 
-    return split(n_train), split(n_test)
+def synthetic_batches(
+    n_batches: int, batch_size: int, shape=(3, 32, 32), num_classes=10, device="cpu", dtype=torch.float32, seed=0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Chapter 07: random (x, y) batches made on `device`, for throughput: no PIL, no host-to-device copy
+    (torchvision's FakeData tops out near 1.5k img/s on a CPU), so a step measures the model, not the
+    input pipeline (chapter 00's table, chapter 08's DDP worker). Cycle a few for long runs: each costs
+    memory (3x224x224 fp32 x 256 is ~150 MB)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    batches = []
+    for _ in range(n_batches):  # x then y from one generator: the same seed gives the same batches
+        x = torch.randn(batch_size, *shape, generator=g, device=device, dtype=dtype)
+        batches.append((x, torch.randint(0, num_classes, (batch_size,), generator=g, device=device)))
+    return batches
 
 
 def load_dataset(

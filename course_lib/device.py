@@ -11,10 +11,12 @@ emulated and slower than fp32.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import textwrap
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch.torch_version import TorchVersion
@@ -27,6 +29,8 @@ __all__ = [
     "tensor_core_generation",
     "cpu_bf16_flags",
     "has_native_bf16",
+    "has_tf32",
+    "tf32",
     "recommend_precision",
     "mixed_precision_for",
     "hardware_report",
@@ -128,6 +132,27 @@ def has_native_bf16(device: torch.device | str | None = None, capability: tuple[
     if dev.type == "cpu":
         return bool(cpu_bf16_flags())
     return dev.type == "mps"  # Apple GPUs on macOS 14+ support bf16 in MPS
+
+
+def has_tf32(device: torch.device) -> bool:
+    """Chapter 00: does `device` have TF32 (NVIDIA Ampere and newer)? Elsewhere a "TF32" row would repeat
+    strict fp32."""
+    return device.type == "cuda" and (cuda_capability(device) or (0, 0)) >= (8, 0)
+
+
+@contextlib.contextmanager
+def tf32(enabled: bool) -> Iterator[None]:
+    """Chapters 00, 01: allow (or forbid) TF32 in fp32 matmuls and cuDNN convolutions, then restore.
+    PyTorch's defaults differ: fp32 matmuls do NOT use TF32 ('highest'), cuDNN convolutions DO, so
+    "strict FP32" switches both off."""
+    old = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old[0])
+        torch.backends.cudnn.allow_tf32 = old[1]
 
 
 def recommend_precision(

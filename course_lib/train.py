@@ -47,6 +47,14 @@ class StepResult:
     skipped: torch.Tensor | bool  # the optimizer step was skipped (inf/NaN); False without a scaler
 
 
+def _scale_on_device(scaler: torch.amp.GradScaler) -> torch.Tensor | float:
+    """The loss scale now: a copy of the tensor GradScaler keeps on the device (1.0 when disabled). Not
+    `scaler.get_scale()`: that returns a float through `.item()`, a device-to-host copy that waits for
+    the GPU, a sync in every step (chapter 06). `_get_scale_async()` is the read GradScaler's own step()
+    makes; the copy keeps the value when update() changes that tensor in place."""
+    return scaler._get_scale_async().clone() if scaler.is_enabled() else 1.0
+
+
 def amp_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -83,12 +91,10 @@ def amp_step(
     if clip_grad_norm is not None:
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones; once, at the boundary
         grad_norm = nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
-    # GradScaler keeps its scale in a tensor on the device (`_scale`); get_scale() would copy it
-    # to the host, a sync per call (chapter 06). Compare on the device; read back later.
-    before = scaler._scale.clone() if scaler.is_enabled() else 1.0
+    before = _scale_on_device(scaler)  # compared on the device, read back later: no sync in the step
     scaler.step(optimizer)  # skips optimizer.step() if any gradient is inf/NaN
     scaler.update()  # once per optimizer step: back off or (maybe) grow
-    after = scaler._scale.clone() if scaler.is_enabled() else 1.0
+    after = _scale_on_device(scaler)
     # update() only lowers the scale after an overflow, and an overflow is exactly a skipped step.
     return StepResult(total, grad_norm, after, after < before)
 

@@ -86,8 +86,6 @@ def test_compare_runs_on_a_gpu_names_its_tensor_cores(monkeypatch, cc, native, e
 def test_a_cuda_step_row_is_timed_with_cudnn_autotuning_on_and_restores_the_flag(monkeypatch):
     # The ResNet-50 targets assume cudnn.benchmark (fixed shapes: the fastest convolution algorithm is
     # picked in the warm-up). The row must time with it on, on CUDA only, and leave the flag as it was.
-    import torch
-
     seen = {}
 
     class FakeTrainer:
@@ -106,12 +104,3 @@ def test_a_cuda_step_row_is_timed_with_cudnn_autotuning_on_and_restores_the_flag
         before = torch.backends.cudnn.benchmark
         bench.step_row("simplecnn", "fp32", torch.device(device), batch=2, steps=1, autotune=autotune)
         assert seen["benchmark"] is expected and torch.backends.cudnn.benchmark == before
-
-
-def test_tf32_context_switches_both_flags_and_restores_them():
-    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    with bench.tf32(True):
-        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
-    with bench.tf32(False):
-        assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
-    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == before

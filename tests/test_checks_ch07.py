@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from course_lib.tooling.checkbase import CheckFailure
 from course_lib.tooling.checks import ch07, checks_for
+from course_lib.tooling.checks import measured as measuring
 
 NAME = "07.loader_settings"
 
@@ -53,13 +54,13 @@ def test_loading_in_the_training_process_fails_on_its_measured_wait_too(monkeypa
     """The measurement itself, on the machine the grader measured: no workers cannot hide the loading.
     Inline the check says so of "this machine" and prints each run as it ends; the grader prints nothing."""
     check = ch07.LoaderSettings()
-    monkeypatch.setattr(ch07, "inline", lambda: False)
+    monkeypatch.setattr(measuring, "inline", lambda: False)
     case = next(c for c in check.cases(random.Random(0)) if c["measured"])
     with pytest.raises(CheckFailure, match="waited for data") as e:
         check._measure(case, {"batch_size": case["batch_size"]})
     assert "at most 15% passes" in str(e.value) and "for the grader's machine" in str(e.value)
     assert "on the grader's machine just now" in str(e.value) and capsys.readouterr().out == ""
-    monkeypatch.setattr(ch07, "inline", lambda: True)
+    monkeypatch.setattr(measuring, "inline", lambda: True)
     left = [0.55, 0.05]  # scripted: the learner's run, then the check's own settings
     monkeypatch.setattr(ch07, "wait_fraction", lambda settings, step_ms: left.pop(0))
     monkeypatch.setattr(ch07, "measure_in_fresh_process", ch07.measure_all)
@@ -198,7 +199,7 @@ def test_the_verdict_rules_with_scripted_measurements(monkeypatch, capsys, measu
     left = list(measured)
     monkeypatch.setattr(ch07, "wait_fraction", lambda settings, step_ms: left.pop(0))
     monkeypatch.setattr(ch07, "measure_in_fresh_process", ch07.measure_all)  # same rules, this process
-    monkeypatch.setattr(ch07, "inline", lambda: True)
+    monkeypatch.setattr(measuring, "inline", lambda: True)
     check = ch07.LoaderSettings()
     if passed:
         check._measure(case, {"batch_size": 32, "num_workers": workers})
@@ -266,10 +267,10 @@ def test_inline_the_machine_is_this_one_and_in_the_batch_grader_it_is_the_grader
     grader judges in its own process, where course_lib.tooling.grader.cli is imported, and prints nothing."""
     monkeypatch.delitem(sys.modules, "course_lib.tooling.grader.cli", raising=False)
     case = {"batch_size": 32, "load_ms": 30.0, "step_ms": 21.0, "cpus": 2, "measured": True}
-    assert ch07.inline() and ch07.LoaderSettings().describe(case).endswith(") for this machine")
-    ch07.say("a progress line")
+    assert measuring.inline() and ch07.LoaderSettings().describe(case).endswith(") for this machine")
+    measuring.say("a progress line")
     assert capsys.readouterr().out == "a progress line\n"
     monkeypatch.setitem(sys.modules, "course_lib.tooling.grader.cli", sys.modules[__name__])
-    assert not ch07.inline() and ch07.LoaderSettings().describe(case).endswith(") for the grader's machine")
-    ch07.say("a progress line")
+    assert not measuring.inline() and ch07.LoaderSettings().describe(case).endswith(") for the grader's machine")
+    measuring.say("a progress line")
     assert capsys.readouterr().out == ""

@@ -16,7 +16,8 @@ from checking import fails, verdict
 
 from course_lib.chapters.ch09 import speedup
 from course_lib.tooling.checkbase import CheckFailure
-from course_lib.tooling.checks import ch07, ch09, checks_for
+from course_lib.tooling.checks import ch09, checks_for
+from course_lib.tooling.checks import measured as measuring
 
 # --------------------------------------------------------------------------- 09.speed_up
 
@@ -141,13 +142,13 @@ def test_inline_each_round_is_printed_as_it_ends_and_the_grader_prints_nothing(c
             report({"round": i, "slow": 4.0 + i, "fast": 0.5 + i / 10})
         return {"slow": scripted_run(slow), "fast": scripted_run(fast)}
     monkeypatch.setattr(ch09, "measure_in_fresh_process", fake)
-    monkeypatch.setattr(ch07, "inline", lambda: True)
+    monkeypatch.setattr(measuring, "inline", lambda: True)
     assert verdict("09.speed_up", speed_up)[0] == "passed"
     out = capsys.readouterr().out
     assert "09.speed_up: the slow script and yours, 3 rounds on this machine" in out
     assert "   round 3: the slow script 7.00 s, yours 0.80 s" in out and "x faster; accuracy" in out
     assert all(len(line) <= 100 for line in out.splitlines())
-    monkeypatch.setattr(ch07, "inline", lambda: False)
+    monkeypatch.setattr(measuring, "inline", lambda: False)
     assert verdict("09.speed_up", speed_up)[0] == "passed" and capsys.readouterr().out == ""
 
 

@@ -17,7 +17,6 @@ from torch.utils.data import SequentialSampler, TensorDataset
 
 from course_lib import _sources as sources
 from course_lib import data, loaders
-from course_lib.chapters.ch00 import bench
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "data" / "fashion_mnist_20k.npz"
@@ -380,8 +379,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_synthetic_batches_deterministic_on_requested_device_and_dtype(device, dtype):
-    a = bench.synthetic_batches(3, 8, shape=(3, 16, 16), num_classes=5, device=device, dtype=dtype)
-    b = bench.synthetic_batches(3, 8, shape=(3, 16, 16), num_classes=5, device=device, dtype=dtype)
+    a = data.synthetic_batches(3, 8, shape=(3, 16, 16), num_classes=5, device=device, dtype=dtype)
+    b = data.synthetic_batches(3, 8, shape=(3, 16, 16), num_classes=5, device=device, dtype=dtype)
     assert len(a) == 3
     for (xa, ya), (xb, yb) in zip(a, b):
         assert xa.shape == (8, 3, 16, 16) and xa.dtype == dtype and xa.device.type == device
@@ -389,7 +388,7 @@ def test_synthetic_batches_deterministic_on_requested_device_and_dtype(device, d
         assert 0 <= ya.min() and ya.max() < 5
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert not torch.equal(a[0][0], a[1][0])  # batches differ from each other
-    other = bench.synthetic_batches(1, 8, shape=(3, 16, 16), device=device, dtype=dtype, seed=1)
+    other = data.synthetic_batches(1, 8, shape=(3, 16, 16), device=device, dtype=dtype, seed=1)
     assert not torch.equal(other[0][0], a[0][0])
 
 

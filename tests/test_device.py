@@ -129,3 +129,13 @@ def test_a_guard_says_in_one_line_what_needs_which_torch_and_the_torch_found(cap
     assert lines == [f"skipped: needs torch >= 2.12 for {what}; this is 2.11.0+cu130"]
     assert len(lines[0]) <= 100
     assert D.torch_at_least("2.6", what) is True and capsys.readouterr().out == ""  # the floor itself
+
+
+def test_tf32_context_switches_both_flags_and_restores_them():
+    assert not D.has_tf32(torch.device("cpu"))  # TF32 is an NVIDIA Ampere-and-newer mode
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    with D.tf32(True):
+        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
+    with D.tf32(False):
+        assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
+    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == before

@@ -130,7 +130,8 @@ def test_the_explorer_shows_a_picture_everywhere_and_redraws_when_a_control_move
     import matplotlib
 
     matplotlib.use("Agg")
-    from course_lib.chapters.ch10.explorer import WIDGET_VIEW, MemoryExplorer
+    from course_lib.chapters.ch01.widgets import WIDGET_VIEW
+    from course_lib.chapters.ch10.explorer import MemoryExplorer
 
     small = GPTConfig(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=64)
     explorer = MemoryExplorer(small, batch=2, seq=128)

@@ -201,3 +201,12 @@ def test_without_widget_views_drops_only_views_whose_model_is_not_saved():
     assert without_widget_views(nb) is True and without_widget_views(nb) is False
     assert set(nb.cells[0].outputs[0]["data"]) == {"text/plain", "text/html"}
     assert without_widget_views(kept) is False and W.WIDGET_VIEW in kept.cells[0].outputs[0]["data"]
+
+
+def test_every_explorer_is_displayed_one_way_and_names_the_view_as_the_git_filter_does():
+    from course_lib.chapters.ch03.loss_scale_simulator import ScaleSimulator
+    from course_lib.chapters.ch10.explorer import MemoryExplorer
+    from course_lib.tooling import notebook_filter
+
+    assert all(issubclass(c, W.Explorer) for c in (W.BitExplorer, ScaleSimulator, MemoryExplorer))
+    assert W.WIDGET_VIEW == notebook_filter.WIDGET_VIEW  # the filter runs as a script, outside the package

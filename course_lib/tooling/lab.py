@@ -48,6 +48,8 @@ from typing import Any
 
 from jupyter_server.services.contents.largefilemanager import AsyncLargeFileManager
 
+from course_lib.tooling.notebook_filter import WIDGET_VIEW
+
 __all__ = [
     "CourseContentsManager",
     "add_version",
@@ -60,7 +62,6 @@ __all__ = [
     "main",
 ]
 
-WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 NOTEBOOK_FILTER = Path(__file__).resolve().with_name("notebook_filter.py")
 _BAR = re.compile(r"\d+%\|.*\| *\d+/")  # tqdm's text: "train fp32:   0%|          | 0/50 [...]"

@@ -29,6 +29,7 @@ import nbformat
 from nbclient import NotebookClient
 
 from course_lib.tooling import notebook_filter
+from course_lib.tooling.notebook_filter import WIDGET_VIEW
 
 __all__ = [
     "keeps_output",
@@ -50,7 +51,6 @@ __all__ = [
 ]
 
 CHECK_TAG = "nbval-check-output"
-WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 ROOT = Path(__file__).resolve().parents[2]
 PRINTING_MANIFEST = ROOT / "tests" / "printing_cells.json"
 PRINTING_FOLDERS = ("notebooks", "exercises", "solutions")  # what `make test` runs under nbval

@@ -38,6 +38,8 @@ NAME = "amp-course-outputs"
 FOLDERS = ("notebooks", "exercises", "solutions")
 PATTERNS = tuple(f"/{folder}/*.ipynb filter={NAME}" for folder in FOLDERS)
 CHECK_TAG = "nbval-check-output"  # as course_lib/tooling/nbtools.py
+# A live widget's view, as course_lib.chapters.ch01.widgets.WIDGET_VIEW: defined again here, as git runs this
+# file as a script (`python -I -S`), outside the package; the rest of tooling imports it from here.
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 # Cell metadata that running or looking writes: timings, collapsed or scrolled outputs, nbformat's transient key.
 VIEW_STATE = ("execution", "ExecuteTime", "collapsed", "scrolled", "trusted")

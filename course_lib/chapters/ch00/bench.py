@@ -17,21 +17,22 @@ so that no sentence in the notebook claims "faster" or "slower" without them.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import sys
 import textwrap
-from typing import Iterator
 
 import torch
 from tqdm.auto import tqdm
 
+from course_lib.data import synthetic_batches
 from course_lib.device import (
     cpu_bf16_flags,
     cuda_capability,
     has_native_bf16,
+    has_tf32,
     mixed_precision_for,
     pick_device,
+    tf32,
 )
 from course_lib.models import build_model
 from course_lib.reference import record
@@ -40,37 +41,12 @@ from course_lib.timing import Timing, compare, peak_memory_bytes, time_fn
 from course_lib.train import TrainConfig, Trainer
 
 __all__ = [
-    "has_tf32",
-    "tf32",
     "draw_amp_step",
     "compare_runs",
     "precision_table",
     "format_precision_table",
     "read_table",
 ]
-
-
-def has_tf32(device: torch.device) -> bool:
-    """Chapter 00: does `device` have TF32 (NVIDIA Ampere and newer)? Elsewhere a "TF32" row would repeat
-    strict fp32."""
-    return device.type == "cuda" and (cuda_capability(device) or (0, 0)) >= (8, 0)
-
-
-@contextlib.contextmanager
-def tf32(enabled: bool) -> Iterator[None]:
-    """Chapters 00, 01: allow (or forbid) TF32 in fp32 matmuls and cuDNN convolutions, then restore.
-
-    PyTorch's defaults differ: fp32 matmuls do NOT use TF32 ('highest'), cuDNN convolutions DO.
-    "Strict FP32" therefore needs both switched off.
-    """
-    old = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    torch.set_float32_matmul_precision("high" if enabled else "highest")
-    torch.backends.cudnn.allow_tf32 = enabled
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(old[0])
-        torch.backends.cudnn.allow_tf32 = old[1]
 
 
 # Input shape, constructor arguments and class count of each model the table can run.
@@ -139,32 +115,6 @@ def _rows_spec(dev: torch.device, model: str) -> list[tuple[str, str, bool, bool
     if dev.type == "cuda" and convnet:  # NHWC is its own rung: it speeds up Tensor Core convolutions
         rows.append((f"AMP {amp} + channels_last", amp, False, True, ""))
     return rows
-
-
-def synthetic_batches(
-    n_batches: int,
-    batch_size: int,
-    shape=(3, 32, 32),
-    num_classes: int = 10,
-    device="cpu",
-    dtype=torch.float32,
-    seed: int = 0,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Random (x, y) batches made directly on `device`, for throughput measurements.
-
-    No PIL and no host-to-device copies (torchvision's FakeData tops out near 1.5k img/s on a
-    CPU), so the numbers measure the model, not the input pipeline. Cycle a few batches for long
-    runs: each batch costs memory (3x224x224 fp32 x 256 is ~150 MB).
-    """
-    device = torch.device(device)
-    g = torch.Generator(device=device).manual_seed(seed)
-    return [
-        (
-            torch.randn(batch_size, *shape, generator=g, device=device, dtype=dtype),
-            torch.randint(0, num_classes, (batch_size,), generator=g, device=device),
-        )
-        for _ in range(n_batches)
-    ]
 
 
 def step_row(
@@ -256,8 +206,11 @@ def precision_table(
                 model, precision, dev, batch=batch, steps=steps, allow_tf32=allow_tf32, channels_last=channels_last
             ),
         }
-        # a bar while the rows are timed (seconds each); a closed one (leave=False) would reopen as "model not found"
-        for label, precision, allow_tf32, channels_last, skipped in tqdm(_rows_spec(dev, model), desc="timing")
+        # a bar while the rows are timed (seconds each), closed when done as chapter 07's sweeps are: left open,
+        # its widget state was not saved and a reopened chapter lost it (tests/test_lab_session.py)
+        for label, precision, allow_tf32, channels_last, skipped in tqdm(
+            _rows_spec(dev, model), desc="timing", leave=False
+        )
     ]
     base = rows[0]["ms_per_step"]
     for r in rows:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -170,18 +169,6 @@ def from_unsigned(p: torch.Tensor, f: Format) -> torch.Tensor:
     return p.to(f.int_dtype).view(f.dtype)
 
 
-def round_to(x: float | Sequence[float] | torch.Tensor, fmt: str | torch.dtype | Format) -> torch.Tensor:
-    """X rounded to the format by torch's own conversion, as float64 (exact) values.
-
-    Python floats are float64. torch converts float64 to the 16- and 8-bit formats through
-    float32, so a float64 that is not also a float32 can be rounded twice (off by one unit in the
-    last place, only within 2^-24 relative of a tie). Pass float32 tensors to avoid that.
-    """
-    f = storage_format(fmt)
-    t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.float64)
-    return t.to(f.dtype).to(torch.float64)
-
-
 def to_bits(x: float, fmt: str | torch.dtype | Format) -> int:
     """The bit pattern (as an unsigned int) torch stores for x in the format."""
     f = storage_format(fmt)
@@ -289,7 +276,8 @@ def decompose(x: float, fmt: str | torch.dtype | Format) -> Decomposed:
 
     >>> decompose(1.0, "fp16").pretty_bits
     '0 01111 0000000000'
-    The rounding is torch's (round to nearest, ties to even; see round_to for float64 inputs).
+    The rounding is torch's (round to nearest, ties to even). torch converts a float64 to the 16- and
+    8-bit formats through float32, so a float64 within 2^-24 relative of a tie can be rounded twice.
     """
     f = storage_format(fmt)
     x = float(x)

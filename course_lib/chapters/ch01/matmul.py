@@ -7,7 +7,7 @@ faster from the datasheets; chapter 02 measures it, course_lib.chapters.ch02.mat
 the products are summed in fp32, which keeps the error near the floor set by rounding the inputs.
 
 The datasheet peaks they are compared with (PEAK_TFLOPS, fp8 too) are here; the TF32 switch
-(`tf32`) is chapter 00's (course_lib.chapters.ch00.bench).
+(`tf32`) is the core's (course_lib.device).
 
     python -m course_lib.chapters.ch01.matmul error [--json data/reference/formats_matmul_<gpu>.json]
 """
@@ -22,9 +22,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from course_lib.chapters.ch00.bench import has_tf32, tf32
 from course_lib.chapters.ch01.formats import Format, get_format
-from course_lib.device import pick_device
+from course_lib.device import has_tf32, pick_device, tf32
 from course_lib.reference import record
 from course_lib.tables import table
 

@@ -2,8 +2,8 @@
 
 Chapter 01 introduces the bit explorer: type a number and see how fp32, bf16, fp16 and the
 two fp8 formats store it; click the bits of one format and see the value they mean.
-Chapter 03's loss-scale simulator (course_lib.chapters.ch03.loss_scale_simulator) is displayed the
-same way.
+Chapter 03's loss-scale simulator (course_lib.chapters.ch03.loss_scale_simulator) and chapter 10's
+memory explorer (course_lib.chapters.ch10.explorer) are displayed the same way (`Explorer`).
 
     bit_explorer(0.1)        # the last expression of a cell: the widget, or its static table
 
@@ -202,17 +202,55 @@ def static_html(value: float, formats: tuple[str, ...] = EXPLORER_FORMATS) -> st
     )
 
 
-class BitExplorer:
-    """The live explorer. Display it (last line of a cell) or call .widget() for the ipywidget.
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"  # the MIME type of a live widget's view
 
-    Its display carries the widget, the HTML table and the text table; a frontend without a
-    widget manager falls back to the table, so the output means something everywhere.
+
+class Explorer:
+    """What every explorer of the course is on display: the live widget, and static views of its state.
+
+    The frontend picks the richest representation it can show: the widget where a kernel is behind
+    it, else the static views (`static_views`: text and HTML by default, or a picture), so the output
+    means something everywhere. A subclass gives `build_widget()` (the ipywidgets box, built on first
+    use) and its static views. Chapter 01's bit explorer, chapter 03's loss-scale simulator
+    (course_lib.chapters.ch03.loss_scale_simulator) and chapter 10's memory explorer
+    (course_lib.chapters.ch10.explorer) are displayed this way.
     """
+
+    _box = None  # built on first display: the static views need no ipywidgets
+
+    def static_views(self) -> dict:
+        """The representations a frontend without widgets shows: the text and HTML views."""
+        return {"text/plain": repr(self), "text/html": self._repr_html_()}
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
+        data = self.static_views()
+        try:
+            box = self.widget()
+        except Exception:  # no ipywidgets, or no kernel to talk to: the static views are all there is
+            return data
+        # The same view reference ipywidgets 7 (Colab's) and 8 emit; a frontend without widget
+        # support falls back to the static views above.
+        data[WIDGET_VIEW] = {"version_major": 2, "version_minor": 0, "model_id": box.model_id}
+        return data
+
+    def widget(self):
+        """The ipywidgets box (built once). Raises ImportError without ipywidgets."""
+        if self._box is None:
+            self._box = self.build_widget()
+        return self._box
+
+    def build_widget(self):
+        """The ipywidgets box, which each explorer builds its own way."""
+        raise NotImplementedError
+
+
+class BitExplorer(Explorer):
+    """The live explorer. Display it (last line of a cell) or call .widget() for the ipywidget; its
+    static views are the HTML table and the text table."""
 
     def __init__(self, value: float = 0.1, edit_format: str = "bf16", formats: tuple[str, ...] = EXPLORER_FORMATS):
         self.state = ExplorerState.start(value, edit_format)
         self.formats = formats
-        self._box = None  # built on first display: importing ipywidgets is not needed for the fallbacks
 
     # ------------------------------------------------------------ representations
     def __repr__(self) -> str:
@@ -221,25 +259,8 @@ class BitExplorer:
     def _repr_html_(self) -> str:
         return static_html(self.state.value, self.formats)
 
-    def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
-        data = {"text/plain": repr(self), "text/html": self._repr_html_()}
-        try:
-            box = self.widget()
-        except Exception:  # no ipywidgets, or no kernel to talk to: the tables are all there is
-            return data
-        # The same view reference ipywidgets 7 (Colab's) and 8 emit; a frontend without widget
-        # support falls back to the HTML table above.
-        data[WIDGET_VIEW] = {"version_major": 2, "version_minor": 0, "model_id": box.model_id}
-        return data
-
     # ------------------------------------------------------------ the widget
-    def widget(self):
-        """The ipywidgets VBox (built once). Raises ImportError without ipywidgets."""
-        if self._box is None:
-            self._box = self._build()
-        return self._box
-
-    def _build(self):
+    def build_widget(self):
         import ipywidgets as W
 
         self._number = W.Text(
@@ -302,9 +323,6 @@ class BitExplorer:
             f"<code>{d.format}</code> pattern <code>{d.pattern:#x}</code> is "
             f"<b>{_KIND_WORDS[d.kind]}</b>: <code>{html.escape(d.formula)}</code>"
         )
-
-
-WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
 def bit_explorer(

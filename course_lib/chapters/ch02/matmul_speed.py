@@ -14,9 +14,8 @@ import sys
 
 import torch
 
-from course_lib.chapters.ch00.bench import has_tf32, tf32
 from course_lib.chapters.ch01.matmul import peak_tflops
-from course_lib.device import pick_device
+from course_lib.device import has_tf32, pick_device, tf32
 from course_lib.reference import record
 from course_lib.tables import table
 from course_lib.timing import time_fn

@@ -20,7 +20,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from course_lib.chapters.ch01.widgets import WIDGET_VIEW
+from course_lib.chapters.ch01.widgets import Explorer
 from course_lib.chapters.ch03.scaler import Trajectory, simulate
 
 __all__ = ["scale_simulator"]
@@ -150,12 +150,11 @@ def simulator_html(st: SimulatorSettings) -> str:
     )
 
 
-class ScaleSimulator:
-    """The live simulator; displayed, it carries the widget and both static views (see BitExplorer)."""
+class ScaleSimulator(Explorer):
+    """The live simulator; displayed, it carries the widget and both static views (chapter 01's `Explorer`)."""
 
     def __init__(self, settings: SimulatorSettings):
         self.settings = settings
-        self._box = None
 
     def __repr__(self) -> str:
         return simulator_text(self.settings)
@@ -163,45 +162,31 @@ class ScaleSimulator:
     def _repr_html_(self) -> str:
         return simulator_html(self.settings)
 
-    def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
-        data = {"text/plain": repr(self), "text/html": self._repr_html_()}
-        try:
-            box = self.widget()
-        except Exception:  # no ipywidgets, or no kernel: the static views are all there is
-            return data
-        data[WIDGET_VIEW] = {"version_major": 2, "version_minor": 0, "model_id": box.model_id}
-        return data
+    def build_widget(self):
+        import ipywidgets as W
 
-    def widget(self):
-        """The ipywidgets VBox (built once). Raises ImportError without ipywidgets."""
-        if self._box is None:
-            import ipywidgets as W
-
-            st = self.settings
-            wide = {"style": {"description_width": "120px"}, "layout": W.Layout(width="420px")}
-            self._controls = {
-                "init_scale": W.FloatLogSlider(
-                    st.init_scale, base=2, min=-20, max=40, step=1, description="init_scale", **wide
-                ),
-                "growth_factor": W.FloatSlider(
-                    st.growth_factor, min=1.05, max=4, step=0.05, description="growth_factor", **wide
-                ),
-                "backoff_factor": W.FloatSlider(
-                    st.backoff_factor, min=0.05, max=0.95, step=0.05, description="backoff_factor", **wide
-                ),
-                "growth_interval": W.IntSlider(
-                    st.growth_interval, min=1, max=500, description="growth_interval", **wide
-                ),
-                "pattern": W.Dropdown(options=list(PATTERNS), value=st.pattern, description="overflows", **wide),
-                "parameter": W.IntSlider(st.parameter, min=0, max=200, description="c", **wide),
-                "steps": W.IntSlider(st.steps, min=20, max=2000, step=10, description="steps", **wide),
-            }
-            self._help, self._view = W.HTML(), W.HTML()
-            for c in self._controls.values():
-                c.observe(self._on_change, names="value")
-            self._render()
-            self._box = W.VBox([*self._controls.values(), self._help, self._view])
-        return self._box
+        st = self.settings
+        wide = {"style": {"description_width": "120px"}, "layout": W.Layout(width="420px")}
+        self._controls = {
+            "init_scale": W.FloatLogSlider(
+                st.init_scale, base=2, min=-20, max=40, step=1, description="init_scale", **wide
+            ),
+            "growth_factor": W.FloatSlider(
+                st.growth_factor, min=1.05, max=4, step=0.05, description="growth_factor", **wide
+            ),
+            "backoff_factor": W.FloatSlider(
+                st.backoff_factor, min=0.05, max=0.95, step=0.05, description="backoff_factor", **wide
+            ),
+            "growth_interval": W.IntSlider(st.growth_interval, min=1, max=500, description="growth_interval", **wide),
+            "pattern": W.Dropdown(options=list(PATTERNS), value=st.pattern, description="overflows", **wide),
+            "parameter": W.IntSlider(st.parameter, min=0, max=200, description="c", **wide),
+            "steps": W.IntSlider(st.steps, min=20, max=2000, step=10, description="steps", **wide),
+        }
+        self._help, self._view = W.HTML(), W.HTML()
+        for c in self._controls.values():
+            c.observe(self._on_change, names="value")
+        self._render()
+        return W.VBox([*self._controls.values(), self._help, self._view])
 
     def _on_change(self, change) -> None:
         self.settings = SimulatorSettings(**{k: c.value for k, c in self._controls.items()})

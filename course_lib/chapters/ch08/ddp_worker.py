@@ -47,9 +47,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from course_lib.chapters.ch00.bench import synthetic_batches
 from course_lib.chapters.ch08.distributed import _bench_model, fsdp_gradient
-from course_lib.data import load_dataset
+from course_lib.data import load_dataset, synthetic_batches
 from course_lib.models import MLP
 from course_lib.train import AMP_DTYPES, StepResult, amp_step, resolve_precision
 

@@ -27,13 +27,13 @@ from typing import Callable, Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from course_lib.chapters.ch00.bench import has_tf32, step_row, tf32
+from course_lib.chapters.ch00.bench import step_row
 from course_lib.chapters.ch01.matmul import peak_tflops
 from course_lib.chapters.ch02.matmul_speed import matmul_tflops
 from course_lib.chapters.ch02.saved_tensors import saved_tensor_bytes
 from course_lib.chapters.ch09.rungs import Rung, climb, compiles_quickly, course_ladder, format_rows, with_speedup
 from course_lib.chapters.ch09.targets import format_targets, targets
-from course_lib.device import has_native_bf16, mixed_precision_for, pick_device
+from course_lib.device import has_native_bf16, has_tf32, mixed_precision_for, pick_device, tf32
 from course_lib.models import GPT, GPTConfig
 from course_lib.reference import record
 from course_lib.timing import peak_memory_bytes, time_fn

@@ -3,8 +3,9 @@ optimizer and its implementation, checkpointing, attention, device, what the loo
 predicted peak redrawn by kind, with the moment it falls at, and the peak measured in the notebook
 where there is one.
 
-Like chapter 01's bit explorer, its display carries the live widget and a static picture (PNG) of
-its current state, so that a notebook read without a kernel still shows the default chart.
+Like chapter 01's bit explorer, it is an `Explorer` (course_lib.chapters.ch01.widgets): its display
+carries the live widget and a static picture (PNG) of its current state, so that a notebook read
+without a kernel still shows the default chart.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from __future__ import annotations
 import base64
 import io
 
+from course_lib.chapters.ch01.widgets import Explorer
 from course_lib.chapters.ch10.predict import OPTIMIZERS, PRECISIONS, Step, predict_step
 from course_lib.models import GPTConfig
 
 __all__ = ["draw_step", "MemoryExplorer"]
 
-WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 GIB = 2**30
 
 
@@ -27,7 +28,7 @@ def draw_step(step: Step, measured: float | None = None):
     import matplotlib.pyplot as plt
 
     p = predict_step(step)
-    fig, ax = plt.subplots(figsize=(8, 2.6))
+    fig, ax = plt.subplots(figsize=(8, 2.6), layout="constrained")
     left = 0.0
     for kind, nbytes in p.by_category.items():
         gib = nbytes / GIB
@@ -39,8 +40,7 @@ def draw_step(step: Step, measured: float | None = None):
     what = f"b={step.batch}, T={step.seq}, {step.precision}, {step.optimizer_kind}, {attention}"
     what += (", checkpointing" if step.checkpointing else "") + f", {step.device}"
     ax.set(yticks=[], xlabel="GiB at the peak", title=f"{what}\npeak {p.peak / GIB:.2f} GiB at {p.moment[:60]}")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.55), ncol=4, fontsize=8)
-    fig.tight_layout()
+    fig.legend(loc="outside lower center", ncol=4, fontsize=8)  # below the axis label, never over it
     return fig
 
 
@@ -54,7 +54,7 @@ SAVED_NOTE = (
 )
 
 
-class MemoryExplorer:
+class MemoryExplorer(Explorer):
     """Chapter 10: the live explorer of a GPT's step (GPT-2 small by default). Display it (the last
     line of a cell); `measured` maps (batch, seq, precision, optimizer, checkpointing, attention) to a
     measured peak in GiB, on the notebook's loop (a CPU's rules, the logits held). An option the
@@ -75,7 +75,6 @@ class MemoryExplorer:
             **start,
         }
         self.message = ""
-        self._box = None  # built on first display: the static picture needs no ipywidgets
         self._drawn: tuple[str, str] = ("", "")  # (the state, its PNG): drawn once per state
 
     def step(self) -> Step:
@@ -99,22 +98,11 @@ class MemoryExplorer:
             self._drawn = (repr(self.state), base64.b64encode(buffer.getvalue()).decode())
         return self._drawn[1]
 
-    def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
-        data = {"text/plain": f"MemoryExplorer({self.state})", "image/png": self._png()}
-        try:
-            box = self.widget()
-        except Exception:  # no ipywidgets, or no kernel: the picture is all there is
-            return data
-        data[WIDGET_VIEW] = {"version_major": 2, "version_minor": 0, "model_id": box.model_id}
-        return data
+    def static_views(self) -> dict:
+        """What a frontend without widgets shows: the picture of the current state (chapter 01's `Explorer`)."""
+        return {"text/plain": f"MemoryExplorer({self.state})", "image/png": self._png()}
 
-    def widget(self):
-        """The ipywidgets VBox (built once). Raises ImportError without ipywidgets."""
-        if self._box is None:
-            self._box = self._build()
-        return self._box
-
-    def _build(self):
+    def build_widget(self):
         import ipywidgets as W
         import matplotlib.pyplot as plt
         from IPython.display import display

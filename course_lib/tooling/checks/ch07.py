@@ -9,19 +9,17 @@ used: only the settings.
 
 Inline (check() in the learner's notebook) the machine measured is the learner's own: the messages
 say "this machine", and the judge prints a line per phase and per measured run as it goes, the
-numbers its verdict is made of. In the batch grader they say "the grader's machine" and print nothing."""
+numbers its verdict is made of. In the batch grader they say "the grader's machine" and print nothing
+(course_lib/tooling/checks/measured.py, shared with 09.speed_up)."""
 
 from __future__ import annotations
 
 import functools
 import json
 import math
-import os
 import random
-import subprocess
 import sys
 import threading
-from pathlib import Path
 from typing import Callable
 
 from torch.utils.data import DataLoader
@@ -30,6 +28,7 @@ from ...chapters.ch07 import data_wait, loading
 from ...data import load_dataset
 from ..checkbase import Check, CheckFailure, register
 from ..probes.ch07 import KEYS
+from .measured import in_fresh_process_reporting, machine, reporting, say
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
@@ -38,7 +37,6 @@ NOISE = 0.08  # the best of two runs of the same settings differ by about this m
 CHANCES = 3  # runs of the learner's settings at most, when the first one waits too long
 STEPS = 20
 MEASURE_LIMIT = 120.0  # seconds for one submission's measurements, torch's import included
-PROGRESS = "progress: "  # the measuring process reports each run on a line that starts so (JSON after it)
 # Machines the check describes besides its own: (cores to draw from, workers needed = load_ms / step_ms).
 # Many cores and a fast model need many workers (no constant such as 4 or 8 fits); many cores and a
 # slow model need few (num_workers = cpus is far too many); few cores and a fast model need all the
@@ -143,23 +141,6 @@ def reference_settings(case: dict) -> dict:
     }
 
 
-def inline() -> bool:
-    """True where the judge runs in the learner's own kernel (check() in a notebook), False in the batch
-    grader, which judges in its own process (course_lib.tooling.grader.cli is imported there, never by check())."""
-    return "course_lib.tooling.grader.cli" not in sys.modules
-
-
-def machine() -> str:
-    """The machine the check measures, as the learner reading the message knows it."""
-    return "this machine" if inline() else "the grader's machine"
-
-
-def say(text: str, end: str = "\n") -> None:
-    """A progress line, printed at once, only inline: the grader's output is its gradebook."""
-    if inline():
-        print(text, end=end, flush=True)
-
-
 def measurements(case: dict, settings: dict, report: Callable[[dict], None] = lambda run: None) -> dict:
     """The learner's wait fraction, and only when that is over THRESHOLD: the grader's own settings measured
     just after it, and the learner's again, up to CHANCES runs in all until one is within allowed_wait (the
@@ -196,51 +177,6 @@ def measure_in_fresh_process(pairs: list, report: Callable[[dict], None] = lambd
     return in_fresh_process_reporting(
         __name__, pairs, MEASURE_LIMIT, f"measuring a loader with {pairs[0][1]!r}", report
     )
-
-
-def in_fresh_process_reporting(module: str, args: list, limit: float, what: str, report: Callable[[dict], None]):
-    """grading.in_fresh_process, with progress: run `python -m module 'json(args)'` and return the JSON of
-    its last line, passing each line it prints that starts with PROGRESS to report() as it comes (the
-    checks that measure, 07.loader_settings and 09.speed_up, say their runs as they end).
-
-    A fresh process because a DataLoader forks its workers, and forking the grader, whose judges run in
-    threads, could copy a lock another thread holds into a worker that then waits for it forever.
-    `what` names the measurement in the CheckFailure raised on a timeout or a failure."""
-    root = Path(__file__).resolve().parents[3]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", module, json.dumps(args)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root, env=env)
-    expired = threading.Event()
-    timer = threading.Timer(limit, lambda: (expired.set(), proc.kill()))
-    timer.start()
-    other: list[str] = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:  # stderr too: one pipe, read to its end, cannot fill up and stop the child
-            if line.startswith(PROGRESS):
-                report(json.loads(line[len(PROGRESS) :]))
-            else:
-                other.append(line)
-        proc.wait()
-    except BaseException:  # the stop button, the grader's time limit: the measurement stops too
-        proc.kill()
-        proc.wait()
-        raise
-    finally:
-        timer.cancel()
-        if proc.stdout is not None:
-            proc.stdout.close()
-    if expired.is_set():
-        raise CheckFailure(f"{what} took over {limit:.0f} s")
-    results = [line for line in other if line.startswith(("[", "{"))]  # the last line, unless a warning followed
-    if proc.returncode != 0 or not results:
-        raise CheckFailure(f"{what} failed: {''.join(other).strip()[-600:]}")
-    return json.loads(results[-1])
-
-
-def reporting(run: dict) -> None:
-    """A measuring process's report of one run, on the line in_fresh_process_reporting reads."""
-    print(PROGRESS + json.dumps(run), flush=True)
 
 
 def wait_fraction(settings: dict, step_ms: float) -> float:

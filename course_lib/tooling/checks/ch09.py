@@ -7,7 +7,8 @@ speed-up, the samples trained on and the test accuracy it measured. Nothing the 
 measures or prints is used: only the settings.
 
 Inline (check() in the learner's notebook) the judge prints each round of the measurement as it
-ends, on "this machine"; in the batch grader it prints nothing (ch07.say).
+ends, on "this machine"; in the batch grader it prints nothing (course_lib/tooling/checks/measured.py,
+shared with 07.loader_settings).
 
 09.first_overflow and 09.mfu: property checks on fresh random inputs, answers computed here.
 The task side is course_lib/tooling/probes/ch09.py.
@@ -25,7 +26,7 @@ from typing import Callable
 from ...chapters.ch03.underflow import FP16_MAX  # fp16's largest finite value, as chapter 03 teaches it
 from ...chapters.ch09 import speedup
 from ..checkbase import Check, CheckFailure, expect_list, register
-from .ch07 import in_fresh_process_reporting, machine, reporting, say  # shared with the other measuring check
+from .measured import in_fresh_process_reporting, machine, reporting, say
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
 
@@ -101,7 +102,7 @@ def measurements(
 
 
 def measure_in_fresh_process(slow: dict, fast: dict, report: Callable[[dict], None] = lambda run: None) -> dict:
-    """measurements() in a new Python process, each round reported as it ends (ch07 says why a fresh one)."""
+    """measurements() in a new Python process, each round reported as it ends (measured.py says why a fresh one)."""
     return in_fresh_process_reporting(
         __name__, [slow, fast], MEASURE_LIMIT, "running the slow script and yours", report
     )
