@@ -3,9 +3,9 @@
 Headless Chromium drives JupyterLab as `make lab` starts it, in a throw-away clone of this
 checkout (its working tree copied in and committed: the course as it stands now):
 - JupyterLab opens on chapter 00 with its file browser at the course's top folder;
-- chapters 00 and 07 are run (Run All), saved, closed with their kernel shut down and opened
+- chapters 00, 07 and 10 are run (Run All), saved, closed with their kernel shut down and opened
   again: no output may read "Error displaying widget", and each progress bar shows its last
-  state or nothing;
+  state or nothing; chapter 10's explorer, reopened, shows its saved-picture note, never while live;
 - `git status` in the clone is clean after those saves (the clean filter `make lab` configures).
 
 It takes a few minutes on 2 cores, so it runs only when asked, with `COURSE_BROWSER_TESTS=1`,
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHROME = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
 DRIVER = shutil.which("chromedriver")
 TOKEN = "course-browser-test"
-CHAPTERS = ("notebooks/00_setup.ipynb", "notebooks/07_loading.ipynb")
+CHAPTERS = ("notebooks/00_setup.ipynb", "notebooks/07_loading.ipynb", "notebooks/10_memory.ipynb")
 RUN_ALL_TIMEOUT_S = 600
 
 
@@ -143,7 +143,9 @@ p.content.widgets.forEach((cell, index) => {
     if (text.includes('Error displaying widget')) found.push({cell: index, shows: 'error', text: text.trim()});
     else if (text.includes('Loading widget')) found.push({cell: index, shows: 'loading', text: text.trim()});
     else if (widget) found.push({cell: index, shows: 'widget', text: text.trim().slice(0, 160),
-                                 bar: !!node.querySelector('progress, .progress-bar, [class*="progress"]')});
+                                 bar: !!node.querySelector('progress, .progress-bar, [class*="progress"]'),
+                                 // chapter 10's explorer: its saved-picture note, as displayed (not the DOM's text)
+                                 note: [...node.querySelectorAll('.amp-saved')].some(n => n.offsetParent)});
   });
 });
 return found;
@@ -176,7 +178,7 @@ def wait_for(what: str, check, timeout: float, every: float = 1.0):
         time.sleep(every)
 
 
-def test_a_learner_runs_saves_and_reopens_chapters_00_and_07(tmp_path):
+def test_a_learner_runs_saves_and_reopens_chapters_00_07_and_10(tmp_path):
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -300,4 +302,8 @@ def test_a_learner_runs_saves_and_reopens_chapters_00_and_07(tmp_path):
             assert not errors, f"{chapter} reopened ({again}) with {len(errors)} widgets in error or unloaded: {errors}"
             # each bar as it ended (the bars a run closes, as chapter 07's sweeps do, stay away)
             assert [w["text"] for w in shown] == [w["text"] for w in record["after_run"]], chapter
+        # the explorer says it is a saved picture where it is drawn, reopened; never while live
+        assert not any(w["note"] for w in record["after_run"]), f"{chapter}: the saved-picture note shows while live"
+    notes = [w["note"] for w in seen["chapters"]["10_memory"]["reopened_1"]]
+    assert any(notes), f"chapter 10's reopened explorer does not say it is a saved picture: {notes}"
     assert seen["git_status"] == "", f"git status after Run All and save:\n{seen['git_status']}"

@@ -44,7 +44,7 @@ def accuracy_parity(
         ("fp32, seed 1", "fp32", 1),
         (f"{mixed_precision_for(dev)}, seed 0", mixed_precision_for(dev), 0),
     )
-    for label, precision, seed in tqdm(three, desc="runs"):  # a bar while they train
+    for label, precision, seed in tqdm(three, desc="runs", leave=False):  # a bar while they train, gone after
         torch.manual_seed(seed)
         model = SimpleCNN(in_channels=1, width=width or (64 if cuda else 16))
         cfg = TrainConfig(precision=precision, device=str(dev), epochs=epochs, log_every=8, progress=False)

@@ -137,7 +137,7 @@ def course_ladder(
     amp = mixed_precision_for(dev)
     ds = load_dataset(train_size=None if cuda else 2048, verbose=False)
     rows = []
-    for rung in tqdm(COURSE_RUNGS, desc="rungs"):  # a bar: the ladder takes seconds even on a CPU
+    for rung in tqdm(COURSE_RUNGS, desc="rungs", leave=False):  # a bar while it runs, gone with it (as chapter 07's)
         label = rung.label.replace("AMP", f"AMP {amp}")
         compiled = rung.compiled
         if compiled and not compiles_quickly(dev, compile_on_cpu):  # not measured; the last rung runs eager
