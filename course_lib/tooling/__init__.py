@@ -17,6 +17,7 @@ Everything else is for the grader and the course's authors (the Makefile wraps e
   colab            stamps the Colab badge and setup cell into every notebook (make stamp)
   lab              make lab's contents manager; notebook_filter: the git filter make lab installs
   nbtools          strips outputs, refreshes the outputs nbval compares; site: make site
+  edition/         the published edition's parts: pages (what a page shows), check (the built edition judged)
 """
 
 __all__ = ["check"]

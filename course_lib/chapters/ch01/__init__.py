@@ -4,8 +4,8 @@
   fp8 side by side.
 - formats.py: Floating-point formats bit by bit: fp32, fp16, bf16, fp8 (e4m3fn, e5m2), and tf32
   described.
-- matmul.py: Matrix multiplies in each precision: how accurate (chapter 01) and how fast (chapter
-  02).
+- matmul.py: Matrix multiplies in each precision: how accurate they are, against float64; the
+  datasheet peaks per GPU (chapter 02 measures the speed, in ch02/matmul_speed.py).
 - widgets.py: Interactive explorers for the notebooks, each with a static fallback.
 
 Its exercises are checked by course_lib/tooling/checks/ch01.py; the half of each check that runs

@@ -6,6 +6,9 @@
   that saves.
 - autocast_policy.py: What autocast does on the installed torch, found by running it, not by reading
   a list.
+- matmul_speed.py: How fast a matmul runs in each precision on this device, next to the datasheet peak.
+- saved_tensors.py: What autograd saves for backward, in bytes: the memory autocast shrinks, and the
+  copies it adds.
 - step_memory.py: A training step's memory, walked through backward and measured: the MLP.
 
 Its exercises are checked by course_lib/tooling/checks/ch02.py; the half of each check that runs

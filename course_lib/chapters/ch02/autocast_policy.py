@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from course_lib.chapters.ch02.autocast_dispatch import SHORT, DispatchRecorder, casts, short
 from course_lib.reference import record
+from course_lib.tables import table
 
 __all__ = [
     "LOW_PRECISION",
@@ -360,19 +361,22 @@ def format_policy(rows: Sequence[PolicyRow], group_by_policy: bool = True, width
     low = short(rows[0].dtype)
     order = {p: i for i, p in enumerate(POLICIES)}
     rows = sorted(rows, key=lambda r: (order[r.policy], r.group, r.op)) if group_by_policy else list(rows)
-    op_w = max(len(r.op) for r in rows) + 2
-    head = f"{'op':<{op_w}}{'fp32':>5}{low:>6}{'mixed':>7}   {'policy':<16}"
-    room = width - len(head)
-    out = [f"autocast({rows[0].device!r}, {low}): output dtype for inputs that are", head + "note"]
+    columns = [
+        ("op", "op", ""),
+        ("fp32", lambda r: r.as_dict()["from_fp32"], ""),
+        (low, lambda r: r.as_dict()["from_low"], ""),
+        ("mixed", lambda r: r.as_dict()["from_mixed"], ""),
+        ("policy", "policy", "<"),
+    ]
+    room = width - max(len(line) for line in table(rows, columns).splitlines()) - 2  # the note column's width
     notes: list[str] = []
+    shown = {}  # id(row) -> its note, or where to find it under the table
     for r in rows:
-        d = r.as_dict()
-        note = r.note
-        if len(note) > room:
-            notes.append(note)
-            note = f"(see note {len(notes)})"
-        row = f"{r.op:<{op_w}}{d['from_fp32']:>5}{d['from_low']:>6}{d['from_mixed']:>7}   {r.policy:<16}{note}"
-        out.append(row.rstrip())
+        if len(r.note) > room:
+            notes.append(r.note)
+        shown[id(r)] = f"(see note {len(notes)})" if len(r.note) > room else r.note
+    out = [f"autocast({rows[0].device!r}, {low}): output dtype for inputs that are"]
+    out.append(table(rows, [*columns, ("note", lambda r: shown[id(r)], "<")]))
     for i, note in enumerate(notes, 1):
         out += textwrap.wrap(f"note {i}: {note}", width, subsequent_indent="  ")
     return "\n".join(out)

@@ -25,11 +25,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from course_lib.device import AMP_DTYPES
 from course_lib.models import MLP
 
 __all__ = ["tracked_peak", "mlp_moments", "measured_mlp"]
-
-_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def tracked_peak(
@@ -51,7 +50,7 @@ def tracked_peak(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    dtype = _DTYPES[precision]
+    dtype = AMP_DTYPES[precision]
     step_loss = step_loss or _cross_entropy
     with FakeTensorMode() if fake else contextlib.nullcontext():
         model = build()

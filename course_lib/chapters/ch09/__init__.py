@@ -1,5 +1,6 @@
 """Chapter 09 (09_capstone.ipynb): the library code its cells call, one module per topic.
 
+- growing.py: A model whose activations grow past fp16's range: chapter 09's NaN/inf walkthrough.
 - ladder.py: The optimisation ladder of chapter 09: one change per rung, each measured, in one run.
 - parity.py: Does mixed precision learn the same model? Chapter 09's answer, measured against seed
   noise.

@@ -14,6 +14,7 @@ import textwrap
 
 import torch
 
+from course_lib.tables import table
 from course_lib.timing import time_fn
 
 __all__ = [
@@ -40,14 +41,18 @@ def _fill(text: str) -> str:
 def read_host_bound(profiles: dict[str, dict]) -> str:
     """Chapter 09: the small CNN's recorded steps (questions_<gpu>.json "simplecnn"): wall time against the
     GPU's kernel time and the number of kernels launched, per mode, and what that says about AMP there."""
-    out = [f"{'mode':<22}{'ms/step':>9}{'GPU kernels, ms':>17}{'kernels/step':>14}{'GPU busy':>10}"]
-    for mode, r in profiles.items():
-        k = r["kernels"]
-        busy = k["gpu_us_per_step"] / 1e3 / r["ms_per_step"]
-        out.append(
-            f"{mode:<22}{r['ms_per_step']:>9.2f}{k['gpu_us_per_step'] / 1e3:>17.2f}{k['kernels_per_step']:>14.0f}"
-            f"{busy:>10.0%}"
-        )
+    columns = [
+        ("mode", lambda mode: mode, ""),
+        ("ms/step", lambda mode: profiles[mode]["ms_per_step"], ".2f"),
+        ("GPU kernels, ms", lambda mode: profiles[mode]["kernels"]["gpu_us_per_step"] / 1e3, ".2f"),
+        ("kernels/step", lambda mode: profiles[mode]["kernels"]["kernels_per_step"], ".0f"),
+        (
+            "GPU busy",
+            lambda mode: profiles[mode]["kernels"]["gpu_us_per_step"] / 1e3 / profiles[mode]["ms_per_step"],
+            ".0%",
+        ),
+    ]
+    out = [table(profiles, columns)]
     base, low = profiles.get("fp32"), profiles.get("bf16")
     if base and low:
         kb, kl = base["kernels"], low["kernels"]
@@ -78,14 +83,10 @@ def read_batch_norm(profiles: dict[str, dict]) -> str:
     """Chapter 09: ResNet-50 + channels_last in fp16 against bf16 (questions_<gpu>.json "resnet50"): images/s,
     GPU time per step by kind of kernel, and which batch-norm implementation each precision ran."""
     classes = ("conv/gemm", "batch_norm", "elementwise", "reduce", "copy/cast", "optimizer")
-    out = [f"{'AMP':<6}{'images/s':>9}" + "".join(f"{c:>12}" for c in classes) + "   batch-norm op"]
-    for prec, r in profiles.items():
-        by = r["kernels"]["by_class_us"]
-        out.append(
-            f"{prec:<6}{r['images_per_s']:>9.0f}"
-            + "".join(f"{by.get(c, 0) / 1e3:>12.1f}" for c in classes)
-            + f"   {_batch_norm_op(r['ops'])}"
-        )
+    columns = [("AMP", lambda prec: prec, ""), ("images/s", lambda prec: profiles[prec]["images_per_s"], ".0f")]
+    columns += [(c, lambda prec, c=c: profiles[prec]["kernels"]["by_class_us"].get(c, 0) / 1e3, ".1f") for c in classes]
+    columns += [("batch-norm op", lambda prec: _batch_norm_op(profiles[prec]["ops"]), "<")]
+    out = [table(profiles, columns)]
     out.append("(GPU milliseconds per step by kind of kernel)")
     fp16, bf16 = profiles.get("fp16"), profiles.get("bf16")
     if fp16 and bf16:
@@ -144,14 +145,26 @@ def vocab_padding_times(
     return out
 
 
+def _mkn(r: dict) -> str:
+    """A recorded matmul's shape, M x K x N."""
+    return f"{r['m']} x {r['k']} x {r['n']}"
+
+
 def read_vocab_padding(shapes: list[dict]) -> str:
     """Chapter 09: the recorded output-layer and K-sweep matmuls (roofline_<gpu>.json "shapes") as a table,
     with the padded vocabulary's speed-up in words."""
-    out = [f"{'matmul':<10}{'dtype':<6}{'M x K x N':>22}{'ms':>8}{'TFLOP/s':>9}"]
-    for r in shapes:
-        out.append(
-            f"{r['what']:<10}{r['dtype']:<6}{r['m']:>8} x {r['k']:>4} x {r['n']:>5}{r['ms']:>8.3f}{r['tflops']:>9.0f}"
+    out = [
+        table(
+            shapes,
+            [
+                ("matmul", "what", ""),
+                ("dtype", "dtype", "<"),
+                ("M x K x N", _mkn, ""),
+                ("ms", "ms", ".3f"),
+                ("TFLOP/s", "tflops", ".0f"),
+            ],
         )
+    ]
     for dtype in sorted({r["dtype"] for r in shapes}):
         head = {r["n"]: r["ms"] for r in shapes if r["what"] == "lm_head" and r["dtype"] == dtype}
         if {50257, 50304} <= set(head):
@@ -190,14 +203,15 @@ def read_fp8(gemms: list[dict], gpt: dict | None = None) -> str:
     """Chapter 09: fp8 (e4m3, tensorwise scales) against bf16 on a recorded GPU: each matmul's time alone
     and with the casts to fp8 done in eager PyTorch (roofline_<gpu>.json "fp8"), then, if given, GPT-2
     small trained with torchao's float8 against bf16 (fp8gpt_<gpu>.json): step time and final loss."""
-    out = [f"{'matmul':<9}{'M x K x N':>22}{'bf16 ms':>9}{'fp8 ms':>8}{'speed-up':>9}{'with casts':>12}"]
-    for r in gemms:
-        if "tensorwise_ms" not in r:
-            continue
-        out.append(
-            f"{r['what']:<9}{r['m']:>7} x {r['k']:>5} x {r['n']:>5}{r['bf16_ms']:>9.3f}{r['tensorwise_ms']:>8.3f}"
-            f"{r['bf16_ms'] / r['tensorwise_ms']:>8.2f}x{r['bf16_ms'] / r['tensorwise_with_cast_ms']:>11.2f}x"
-        )
+    columns = [
+        ("matmul", "what", ""),
+        ("M x K x N", _mkn, ""),
+        ("bf16 ms", "bf16_ms", ".3f"),
+        ("fp8 ms", "tensorwise_ms", ".3f"),
+        ("speed-up", lambda r: f"{r['bf16_ms'] / r['tensorwise_ms']:.2f}x", ""),
+        ("with casts", lambda r: f"{r['bf16_ms'] / r['tensorwise_with_cast_ms']:.2f}x", ""),
+    ]
+    out = [table([r for r in gemms if "tensorwise_ms" in r], columns)]  # a matmul fp8 could not run has no row
     rows = [r for r in (gpt or {}).get("rows", []) if "ms_per_step" in r]
     if rows:
         base = rows[0]

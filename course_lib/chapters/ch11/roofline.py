@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from course_lib.device import AMP_DTYPES
 from course_lib.tables import table
 from course_lib.timing import time_fn
 
@@ -41,7 +42,7 @@ __all__ = [
     "recorded_matmul_rows",
 ]
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {name: dtype or torch.float32 for name, dtype in AMP_DTYPES.items()}  # the dtype tensors are stored in
 
 
 @dataclass(frozen=True)

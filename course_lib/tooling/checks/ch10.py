@@ -9,12 +9,11 @@ import random
 import torch
 
 from ...chapters.ch02.saved_tensors import saved_bytes_by_kind
+from ...device import AMP_DTYPES
 from ...models import GPT, GPTConfig
 from ..checkbase import Check, CheckFailure, describe_value, expect_list, register
 
 __all__: list[str] = []  # the checks register themselves; nothing here is imported by name
-
-DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
 def measured_block_bytes(batch: int, seq: int, n_embd: int, n_head: int, precision: str) -> int:
@@ -24,7 +23,7 @@ def measured_block_bytes(batch: int, seq: int, n_embd: int, n_head: int, precisi
     torch.manual_seed(0)
     block = GPT(GPTConfig(n_embd=n_embd, n_head=n_head, block_size=seq, vocab_size=8, n_layer=1)).blocks[0]
     x = torch.randn(batch, seq, n_embd, requires_grad=True)
-    dtype = DTYPES[precision]
+    dtype = AMP_DTYPES[precision]
     with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
         kinds = saved_bytes_by_kind(lambda: block(x.clone()))  # clone: the input is made inside, as in a model
     return sum(kinds["activations"].values()) + sum(kinds["weight copies"].values())
