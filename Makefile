@@ -89,7 +89,7 @@ update:
 test: $(STAMP)
 	$(VPY) -m course_lib.device
 	$(VPY) -m ruff check .
-	$(VPY) -m ruff format --check course_lib
+	$(VPY) -m ruff format --check course_lib tests tools conftest.py
 	$(VPY) -m pytest $(SUITE) $(NBVAL) $(WORKERS) $(DURATIONS)
 
 # A contributor's way in: the library and chapter-module tests, without the notebooks, the batch

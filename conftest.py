@@ -23,6 +23,7 @@ DATA_DUMP_CHARS characters (a returned list of records, say) fails the session, 
 cell, and its notebook is not saved to build/executed/. A trailing `;` does not hide a result here:
 IPython reads it from the input history, and nbval runs cells with store_history=False.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,7 @@ from collections import defaultdict
 import pytest
 
 GPU_TIER = os.environ.get("COURSE_GPU_TIER") == "1"
-NOTEBOOK_TIME_BUDGET_S = 120      # per notebook on a 2-core CPU: reported, not asserted (timings flake)
+NOTEBOOK_TIME_BUDGET_S = 120  # per notebook on a 2-core CPU: reported, not asserted (timings flake)
 NOTEBOOK_MEMORY_BUDGET = 4 * 2**30  # peak resident memory of a notebook's kernel: asserted
 _durations: dict[str, float] = defaultdict(float)
 _peak_rss: dict[str, int] = defaultdict(int)
@@ -49,6 +50,7 @@ _data_dumps: list[str] = []  # one line per dumping cell: fails the session
 def _cuda_available() -> bool:
     try:
         import torch
+
         return torch.cuda.is_available()
     except Exception:  # a broken torch install must not hide the real error in the tests
         return False
@@ -81,12 +83,23 @@ def _refuse_remote_connections() -> None:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--update-printing-cells", action="store_true",
-                     help="rewrite the printing-cells manifest for the notebooks whose code cells all ran (CPU tier)")
-    parser.addoption("--printing-cells-manifest", default="tests/printing_cells.json", metavar="PATH",
-                     help="the manifest of code cells that print, from the repository root (default: %(default)s)")
-    parser.addoption("--chapter", default=None, metavar="NN",
-                     help="make test-chapter N=NN: also grade chapter NN's solution and exercise (marked per_chapter)")
+    parser.addoption(
+        "--update-printing-cells",
+        action="store_true",
+        help="rewrite the printing-cells manifest for the notebooks whose code cells all ran (CPU tier)",
+    )
+    parser.addoption(
+        "--printing-cells-manifest",
+        default="tests/printing_cells.json",
+        metavar="PATH",
+        help="the manifest of code cells that print, from the repository root (default: %(default)s)",
+    )
+    parser.addoption(
+        "--chapter",
+        default=None,
+        metavar="NN",
+        help="make test-chapter N=NN: also grade chapter NN's solution and exercise (marked per_chapter)",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -197,11 +210,20 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         _gpu_cells[report.outcome].append(item.nodeid)
     # A failed, timed-out (xfail) or interrupted cell is not recorded: its notebook is not judged.
     tagged_skip = report.skipped and getattr(item, "options", {}).get("skip")
-    if (not GPU_TIER and report.when == "call" and (report.passed or tagged_skip)
-            and getattr(item, "cell", None) is not None and hasattr(item.parent, "nb")):
+    if (
+        not GPU_TIER
+        and report.when == "call"
+        and (report.passed or tagged_skip)
+        and getattr(item, "cell", None) is not None
+        and hasattr(item.parent, "nb")
+    ):
         _record_cell_run(item, report)
-    if (report.when == "call" and (report.passed or tagged_skip) and getattr(item, "cell", None) is not None
-            and hasattr(item.parent, "nb")):
+    if (
+        report.when == "call"
+        and (report.passed or tagged_skip)
+        and getattr(item, "cell", None) is not None
+        and hasattr(item.parent, "nb")
+    ):
         nb = item.parent.nb
         index = next(i for i, c in enumerate(nb.cells) if c is item.cell)
         outputs = [] if report.skipped else list(item.test_outputs or [])
@@ -220,8 +242,11 @@ def _judge_printing_cells(config: pytest.Config) -> bool:
         _silence.update(updated=complete, partial=sorted(set(_cell_runs) - set(complete)))
         return False
     silent = nbtools.silent_cells(manifest, _cell_runs)
-    _silence.update(silent=silent, judged=[p for p in complete if p in manifest],
-                    unlisted=nbtools.unlisted_printing_cells(manifest, _cell_runs))
+    _silence.update(
+        silent=silent,
+        judged=[p for p in complete if p in manifest],
+        unlisted=nbtools.unlisted_printing_cells(manifest, _cell_runs),
+    )
     return bool(silent)
 
 
@@ -230,16 +255,21 @@ def _data_dumps_in(path: str, nb, outputs: dict[int, list]) -> list[str]:
     found = []
     for index, outs in sorted(outputs.items()):
         for out in outs:
-            text = out.get("data", {}).get("text/plain", "") if out.get("output_type") in (
-                "execute_result", "display_data") else ""
+            text = (
+                out.get("data", {}).get("text/plain", "")
+                if out.get("output_type") in ("execute_result", "display_data")
+                else ""
+            )
             text = "".join(text) if isinstance(text, list) else text
             lines = text.count("\n") + 1
             if lines > DATA_DUMP_LINES or len(text) > DATA_DUMP_CHARS:
                 cell = nb.cells[index]
                 first = next((line for line in cell.source.splitlines() if line.strip()), "")[:80]
-                found.append(f"{path}, cell {index} (id {cell.get('id')}): its {out['output_type']} shows "
-                             f"{lines:,} lines, {len(text):,} characters (over {DATA_DUMP_LINES} lines or "
-                             f"{DATA_DUMP_CHARS:,} characters); the cell's first line: {first!r}")
+                found.append(
+                    f"{path}, cell {index} (id {cell.get('id')}): its {out['output_type']} shows "
+                    f"{lines:,} lines, {len(text):,} characters (over {DATA_DUMP_LINES} lines or "
+                    f"{DATA_DUMP_CHARS:,} characters); the cell's first line: {first!r}"
+                )
     return found
 
 
@@ -283,8 +313,13 @@ def _report(config: pytest.Config) -> dict:
         "modified": list(_modified_after_run),
         "complete": sum(run.complete for run in _cell_runs.values()),
         "silence": silence,
-        "failed": bool(over or silence.get("silent") or _modified_after_run or _data_dumps
-                       or (GPU_TIER and _gpu_cells.get("skipped"))),
+        "failed": bool(
+            over
+            or silence.get("silent")
+            or _modified_after_run
+            or _data_dumps
+            or (GPU_TIER and _gpu_cells.get("skipped"))
+        ),
     }
 
 
@@ -296,8 +331,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         _save_executed_notebooks()
     if _cell_runs:
         _judge_printing_cells(session.config)
-    _modified_after_run.extend(p for p, run in sorted(_cell_runs.items()) if run.complete
-                               and _git_sees_a_change_after_run_all(p))
+    _modified_after_run.extend(
+        p for p, run in sorted(_cell_runs.items()) if run.complete and _git_sees_a_change_after_run_all(p)
+    )
     report = _report(session.config)
     if hasattr(session.config, "workeroutput"):  # an xdist worker: the controller sums up and decides
         session.config.workeroutput["amp_course"] = json.dumps(report)
@@ -319,8 +355,15 @@ def _merged() -> dict:
     reports = _reports or []
     if not reports:
         return {}
-    out = {"durations": {}, "peak_rss": {}, "gpu": defaultdict(int), "dumps": [], "modified": [], "complete": 0,
-           "silence": {"silent": [], "judged": [], "unlisted": {}, "updated": [], "partial": []}}
+    out = {
+        "durations": {},
+        "peak_rss": {},
+        "gpu": defaultdict(int),
+        "dumps": [],
+        "modified": [],
+        "complete": 0,
+        "silence": {"silent": [], "judged": [], "unlisted": {}, "updated": [], "partial": []},
+    }
     for r in reports:
         out["durations"].update(r["durations"])
         out["peak_rss"].update(r["peak_rss"])
@@ -344,8 +387,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         tr.section("notebooks: execution time and kernel peak memory")
         for path, seconds in sorted(r["durations"].items()):
             rss = r["peak_rss"].get(path, 0)
-            flags = (" OVER THE 2-MINUTE BUDGET" if seconds > NOTEBOOK_TIME_BUDGET_S else "") + \
-                    (" OVER THE 4 GB BUDGET (fails the run)" if rss > NOTEBOOK_MEMORY_BUDGET else "")
+            flags = (" OVER THE 2-MINUTE BUDGET" if seconds > NOTEBOOK_TIME_BUDGET_S else "") + (
+                " OVER THE 4 GB BUDGET (fails the run)" if rss > NOTEBOOK_MEMORY_BUDGET else ""
+            )
             tr.write_line(f"{seconds:7.1f} s {rss / 2**30:6.2f} GiB  {path}{flags}")
     ran = r["gpu"].get("passed", 0) + r["gpu"].get("failed", 0)
     skipped = r["gpu"].get("skipped", 0)
@@ -358,18 +402,25 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         tr.section("cells that show a data dump as their result (fails the run)", red=True)
         for line in r["dumps"]:
             tr.write_line(line, red=True)
-        tr.write_line("End such a cell with a statement, or have the function it calls return None: a trailing "
-                      "`;` hides a result only where IPython keeps the input history, and nbval does not. "
-                      "The notebook was not saved to build/executed/.", red=True)
+        tr.write_line(
+            "End such a cell with a statement, or have the function it calls return None: a trailing "
+            "`;` hides a result only where IPython keeps the input history, and nbval does not. "
+            "The notebook was not saved to build/executed/.",
+            red=True,
+        )
     if r["modified"]:
         tr.section("notebooks that git would list as modified after Run All (fails the run)", red=True)
         for path in r["modified"]:
-            tr.write_line(f"{path}: a compared cell's output differs, byte for byte, from the stored one; "
-                          f"refresh it: python -m course_lib.tooling.nbtools refresh {path}", red=True)
+            tr.write_line(
+                f"{path}: a compared cell's output differs, byte for byte, from the stored one; "
+                f"refresh it: python -m course_lib.tooling.nbtools refresh {path}",
+                red=True,
+            )
     elif r["complete"] and not GPU_TIER:
         tr.section("git after Run All")
-        tr.write_line(f"{r['complete']} notebook(s) ran to their end; through make lab's git filter none reads "
-                      "as modified")
+        tr.write_line(
+            f"{r['complete']} notebook(s) ran to their end; through make lab's git filter none reads as modified"
+        )
     silence = r["silence"]
     if "updated" in silence:
         tr.section("printing cells: manifest rewritten")

@@ -8,6 +8,7 @@ keyword-only, and the number of answers must match
 the check's arguments, so that a stray positional seed is an error, not an extra answer that the
 check rejects and a `fails` that passes for the wrong reason.
 """
+
 from __future__ import annotations
 
 import random

@@ -1,5 +1,6 @@
 """course_lib.chapters.ch04.accumulation and accumulation_pitfalls: the loop is the large batch; the demonstrations
 show what chapter 04 says."""
+
 from __future__ import annotations
 
 import json
@@ -31,7 +32,8 @@ def test_accumulation_step_gives_the_large_batch_gradient_on_ragged_micro_batche
     captured = {}
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     opt.register_step_pre_hook(
-        lambda o, args, kw: captured.update(g=torch.cat([p.grad.flatten() for p in model.parameters()])))
+        lambda o, args, kw: captured.update(g=torch.cat([p.grad.flatten() for p in model.parameters()]))
+    )
     skipped = A.accumulation_step(model, opt, torch.amp.GradScaler("cpu", enabled=False), micro)
     large = A.accumulated_grad(large_model, [(x, y)])
     assert skipped is False
@@ -48,8 +50,13 @@ def test_accumulation_step_zeroes_old_gradients_and_skips_a_step_with_an_inf():
     before = [p.detach().clone() for p in model.parameters()]
     x[3, 0] = float("inf")
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
-    skipped = A.accumulation_step(model, torch.optim.SGD(model.parameters(), lr=0.1), scaler,
-                                  list(zip(x.split(8), y.split(8))), dtype=torch.float16)
+    skipped = A.accumulation_step(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        scaler,
+        list(zip(x.split(8), y.split(8))),
+        dtype=torch.float16,
+    )
     assert skipped is True and scaler.get_scale() == 128.0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
@@ -57,10 +64,9 @@ def test_accumulation_step_zeroes_old_gradients_and_skips_a_step_with_an_inf():
 def test_clipping_unscales_once_at_the_boundary():
     x, y = data(16)
     model = mlp()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    A.accumulation_step(model, opt, scaler, list(zip(x.split(4), y.split(4))), dtype=torch.float16,
-                        clip_grad_norm=1e-3)
+    A.accumulation_step(model, opt, scaler, list(zip(x.split(4), y.split(4))), dtype=torch.float16, clip_grad_norm=1e-3)
     norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
     assert norm == pytest.approx(1e-3, rel=1e-3)  # clipped on true, unscaled gradients
 
@@ -74,11 +80,13 @@ def test_equivalence_rows_are_within_a_few_eps_in_every_precision():
 
 
 def test_scale_trajectories_show_what_update_per_micro_batch_does():
-    right, every, step_every = (P.scale_trajectory(v, steps=6, accum=4, bad=(5,), init_scale=2.0 ** 10,
-                                                   growth_interval=2) for v in P.LOOP_VARIANTS)
+    right, every, step_every = (
+        P.scale_trajectory(v, steps=6, accum=4, bad=(5,), init_scale=2.0**10, growth_interval=2)
+        for v in P.LOOP_VARIANTS
+    )
 
     def halvings(r):
-        before = [2.0 ** 10] + r["scale"][:-1]
+        before = [2.0**10] + r["scale"][:-1]
         return sum(b > a for b, a in zip(before, r["scale"]))
 
     assert right["skipped"] == [7] and len(right["stepped"]) == 5 and halvings(right) == 1
@@ -113,13 +121,18 @@ def test_batchnorm_is_not_equivalent_but_per_sample_norms_are():
 
 def test_ddp_all_reduces_where_the_forward_said_so():
     calls = {p: P.allreduce_calls(p, accum=4) for p in P.SYNC_PATTERNS}
-    assert calls == {"no no_sync": [0, 1, 2, 3], "no_sync around forward and backward": [3],
-                     "no_sync around backward only": [0, 1, 2, 3], "flag set between forward and backward": [0],
-                     "course_lib.train.Trainer.train_step": [3]}
+    assert calls == {
+        "no no_sync": [0, 1, 2, 3],
+        "no_sync around forward and backward": [3],
+        "no_sync around backward only": [0, 1, 2, 3],
+        "flag set between forward and backward": [0],
+        "course_lib.train.Trainer.train_step": [3],
+    }
 
 
 def test_accumulation_step_under_ddp_all_reduces_once():
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
     x, y = data(16)
     hits = []
 
@@ -130,8 +143,12 @@ def test_accumulation_step_under_ddp_all_reduces_once():
     with P._one_process_group():
         ddp = nn.parallel.DistributedDataParallel(mlp())
         ddp.register_comm_hook(None, hook)
-        A.accumulation_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), torch.amp.GradScaler("cpu", enabled=False),
-                            list(zip(x.split(4), y.split(4))))
+        A.accumulation_step(
+            ddp,
+            torch.optim.SGD(ddp.parameters(), lr=0.1),
+            torch.amp.GradScaler("cpu", enabled=False),
+            list(zip(x.split(4), y.split(4))),
+        )
     assert len(hits) == 1
 
 
@@ -147,6 +164,7 @@ def test_article_001_loop_leaks_the_epoch_tail_into_the_next_step():
 
 def test_peak_saved_bytes_follows_the_micro_batch_not_their_number():
     from course_lib.chapters.ch02.saved_tensors import saved_tensor_bytes
+
     model = mlp()
     x, y = data(32)
     opt, off = torch.optim.SGD(model.parameters(), lr=0.0), torch.amp.GradScaler("cpu", enabled=False)
@@ -165,8 +183,26 @@ def test_memory_rows_on_a_cpu_and_the_recording_cli(tmp_path, capsys):
     assert rows[1]["peak_saved"] < rows[0]["peak_saved"] and rows[1]["saved_micro"] < rows[0]["saved_micro"]
     assert "n/a" in A.format_memory_rows(rows)
     out = tmp_path / "accumulation_test.json"
-    assert A.main(["--device", "cpu", "--model", "simplecnn", "--batch", "4", "--accum", "1", "2",
-                   "--precisions", "fp32", "--json", str(out)]) == 0
+    assert (
+        A.main(
+            [
+                "--device",
+                "cpu",
+                "--model",
+                "simplecnn",
+                "--batch",
+                "4",
+                "--accum",
+                "1",
+                "2",
+                "--precisions",
+                "fp32",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     saved = json.loads(out.read_text())
     assert saved["provenance"]["command"].startswith("python -m course_lib.chapters.ch04.accumulation")
     assert len(saved["rows"]) == 2 and saved["batch"] == 4 and saved["saved_counts"] == A.SAVED_COUNTS
@@ -191,8 +227,10 @@ def test_peak_saved_bytes_frees_a_graph_that_never_ran_backward():
 
 # --------------------------------------------------------------------------- the recorded table, read
 
+
 def test_recount_saved_takes_off_what_an_older_recording_also_counted():
     from course_lib.reference import load_references
+
     refs = load_references("accumulation_*.json")
     if not refs:
         pytest.skip("no accumulation recording")
@@ -220,15 +258,27 @@ def test_saved_kinds_counts_the_whole_input_batch_as_existing_in_fp32_only():
 
 
 def memory_row(p, n, ms, q, saved=800.0, rest=100.0):
-    return {"precision": p, "micro_batches": n, "micro_size": 512 // n, "saved_micro": saved / n,
-            "peak_saved": saved / n, "peak": rest + saved / n, "ms": ms, "ms_q": q}
+    return {
+        "precision": p,
+        "micro_batches": n,
+        "micro_size": 512 // n,
+        "saved_micro": saved / n,
+        "peak_saved": saved / n,
+        "peak": rest + saved / n,
+        "ms": ms,
+        "ms_q": q,
+    }
 
 
 def test_read_memory_rows_reads_the_ratios_and_the_times_with_their_spread():
-    rows = [memory_row("fp32", 1, 26.2, [26.1, 26.3]), memory_row("fp32", 8, 47.8, [47.5, 64.5]),
-            memory_row("fp32", 16, 107.6, [106.3, 107.7]),
-            memory_row("bf16", 1, 22.0, [21.9, 22.1]), memory_row("bf16", 8, 62.7, [56.2, 85.0]),
-            memory_row("bf16", 16, 98.9, [94.7, 107.8])]
+    rows = [
+        memory_row("fp32", 1, 26.2, [26.1, 26.3]),
+        memory_row("fp32", 8, 47.8, [47.5, 64.5]),
+        memory_row("fp32", 16, 107.6, [106.3, 107.7]),
+        memory_row("bf16", 1, 22.0, [21.9, 22.1]),
+        memory_row("bf16", 8, 62.7, [56.2, 85.0]),
+        memory_row("bf16", 16, 98.9, [94.7, 107.8]),
+    ]
     text = A.read_memory_rows(rows)
     assert "fp32, 1 -> 16 micro-batches: peak saved 16.0x smaller, peak CUDA 6.00x smaller, step 4.1x longer" in text
     assert "hardly moved" not in text
@@ -239,13 +289,16 @@ def test_read_memory_rows_reads_the_ratios_and_the_times_with_their_spread():
     assert "fp32 64 -> 32, bf16 64 -> 32" in text  # a micro-batch half as large, hardly quicker
     assert f"{A.TIMED_STEPS} timed steps per row; the widest middle half spans 46% of its median (bf16, 8 x 64)" in text
     cpu = [{**r, "peak": None, "ms": None, "ms_q": None} for r in rows]
-    assert A.read_memory_rows(cpu).splitlines() == ["fp32, 1 -> 16 micro-batches: peak saved 16.0x smaller",
-                                                    "bf16, 1 -> 16 micro-batches: peak saved 16.0x smaller"]
+    assert A.read_memory_rows(cpu).splitlines() == [
+        "fp32, 1 -> 16 micro-batches: peak saved 16.0x smaller",
+        "bf16, 1 -> 16 micro-batches: peak saved 16.0x smaller",
+    ]
     stuck = [memory_row("fp32", 1, 26.2, [26.1, 26.3], rest=3000.0), memory_row("fp32", 16, 30, [29, 31], rest=3000.0)]
     assert "the peak hardly moved" in A.read_memory_rows(stuck)
 
 
 # --------------------------------------------------------------------------- token-level losses
+
 
 def large_token_grad(micro):
     """The large batch's gradient, written out: every sequence in one batch, the mean over all real tokens."""
@@ -302,13 +355,20 @@ def test_token_rows_report_both_normalisations_against_the_large_batch():
 
 def test_amp_step_weights_by_tokens_when_y_holds_the_real_targets_only():
     from course_lib.train import amp_step
+
     micro = T.padded_micro_batches([[9, 2], [3, 1]])
     large = large_token_grad(micro)
 
     def course_loop(batches):
         net = T.token_model()
-        amp_step(net, torch.optim.SGD(net.parameters(), lr=0.0), torch.amp.GradScaler("cpu", enabled=False),
-                 batches, None, forward=lambda x, y: T.token_loss(net, *x))
+        amp_step(
+            net,
+            torch.optim.SGD(net.parameters(), lr=0.0),
+            torch.amp.GradScaler("cpu", enabled=False),
+            batches,
+            None,
+            forward=lambda x, y: T.token_loss(net, *x),
+        )
         return torch.cat([p.grad.flatten().double() for p in net.parameters()])
 
     by_tokens = course_loop([((t, y), y[y != T.IGNORE_INDEX]) for t, y in micro])

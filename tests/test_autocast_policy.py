@@ -5,6 +5,7 @@ The probe's *classifications* are tested where torch has kept them stable for ye
 tested as an invariant between the probe and a direct run, so a torch upgrade that moves an
 op between lists does not break the suite.
 """
+
 import json
 
 import pytest
@@ -21,9 +22,9 @@ LOW = [torch.bfloat16, torch.float16]
 FAKE_CUDA = ap.fake_cuda_available()
 
 
-
 def policy_of(rows):
     return {r.op: r.policy for r in rows}
+
 
 @pytest.fixture(scope="module", params=LOW, ids=["bf16", "fp16"])
 def cpu_rows(request):
@@ -78,8 +79,13 @@ def test_probe_agrees_with_a_direct_run_under_autocast(cpu_rows):
     rows = {r.op: r for r in cpu_rows}
     x = torch.randn(8, 16).to(low)
     with torch.autocast("cpu", dtype=low):
-        direct = {"softmax": F.softmax(x, -1).dtype, "layer_norm": F.layer_norm(x, (16,)).dtype,
-                  "sum": x.sum().dtype, "mse_loss": F.mse_loss(x, x).dtype, "matmul": (x.float() @ x.float().T).dtype}
+        direct = {
+            "softmax": F.softmax(x, -1).dtype,
+            "layer_norm": F.layer_norm(x, (16,)).dtype,
+            "sum": x.sum().dtype,
+            "mse_loss": F.mse_loss(x, x).dtype,
+            "matmul": (x.float() @ x.float().T).dtype,
+        }
     for op, dtype in direct.items():
         want = rows[op].from_fp32 if op == "matmul" else rows[op].from_low
         assert dtype == want, op
@@ -150,8 +156,9 @@ def test_params_grads_and_optimizer_state_stay_fp32_and_in_place():
 
 def test_saved_activations_are_bf16_and_about_half_the_bytes_and_autocast_adds_weight_copies():
     torch.manual_seed(0)
-    mem = ad.memory_comparison(SimpleCNN(in_channels=1), torch.randn(16, 1, 16, 16), torch.randint(0, 10, (16,)),
-                               dtype=torch.bfloat16)
+    mem = ad.memory_comparison(
+        SimpleCNN(in_channels=1), torch.randn(16, 1, 16, 16), torch.randint(0, 10, (16,)), dtype=torch.bfloat16
+    )
     assert mem["fp32"]["peak"] is None  # no allocator statistics off CUDA
     by_dtype = mem["bf16"]["activations_by_dtype"]
     assert by_dtype["bf16"] > 0.9 * mem["bf16"]["activations"]
@@ -230,8 +237,17 @@ def test_policy_rows_round_trip_through_json(cpu_rows):
 
 
 def test_tables_fit_in_100_columns_and_keep_long_notes_as_numbered_notes(cpu_rows):
-    long = ap.PolicyRow("index_put", "layout", "cpu", torch.bfloat16, torch.float32, torch.bfloat16, None,
-                        "unchanged", "mixed inputs raise RuntimeError: " + "a long message " * 10)
+    long = ap.PolicyRow(
+        "index_put",
+        "layout",
+        "cpu",
+        torch.bfloat16,
+        torch.float32,
+        torch.bfloat16,
+        None,
+        "unchanged",
+        "mixed inputs raise RuntimeError: " + "a long message " * 10,
+    )
     for text in (ap.format_policy([*cpu_rows, long]), ap.format_by_policy(cpu_rows)):
         assert max(len(line) for line in text.splitlines()) <= 100
     text = ap.format_policy([*cpu_rows, long])
@@ -284,8 +300,14 @@ def test_the_memory_reading_follows_the_numbers_and_flags_rows_that_disagree():
     from course_lib.chapters.ch02.autocast_dtypes import read_mlp_memory_rows
 
     # the H100 MLP: autocast saves 8 MiB of activations and adds 64 MiB of weight copies
-    mlp = {"dtype": "bf16", "activations_fp32": 24.0, "activations_low": 16.0, "weight_copies_low": 64.0,
-           "peak_fp32": 465.4, "peak_low": 489.4}
+    mlp = {
+        "dtype": "bf16",
+        "activations_fp32": 24.0,
+        "activations_low": 16.0,
+        "weight_copies_low": 64.0,
+        "peak_fp32": 465.4,
+        "peak_low": 489.4,
+    }
     text = " ".join(read_mlp_memory_rows([mlp]).split())
     assert "spared 8.0 MiB of activations" in text and "added 64.0 MiB of 16-bit weight copies" in text
     assert "keeps 56.0 MiB more" in text and "from 465.4 to 489.4 MiB (+24.0 MiB)" in text
@@ -300,5 +322,3 @@ def test_the_memory_reading_follows_the_numbers_and_flags_rows_that_disagree():
     text = read_mlp_memory_rows([mlp, {**mlp, "dtype": "fp16", "peak_fp32": 794.0, "peak_low": 898.0}])
     assert "differ (465 to 794 MiB)" in " ".join(text.split())  # the same fp32 step, measured twice: one count is off
     assert all(len(line) <= 100 for line in text.splitlines())
-
-

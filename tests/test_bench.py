@@ -1,4 +1,5 @@
 """course_lib.chapters.ch00.bench: the FP32 / TF32 / AMP step table and its CLI."""
+
 import json
 
 import pytest
@@ -57,14 +58,17 @@ def test_compare_runs_reads_the_measured_times_and_this_cpu(monkeypatch, flags, 
 @pytest.mark.parametrize("flags, precision", [(["amx_bf16"], "bf16"), ([], "bf16")])
 def test_mixed_precision_for_a_cpu_is_always_a_16_bit_type(monkeypatch, flags, precision):
     import course_lib.device as D
+
     monkeypatch.setattr(D, "cpu_bf16_flags", lambda cpuinfo=None: flags)
     assert D.mixed_precision_for("cpu") == precision
 
 
 def test_the_amp_step_picture_has_its_three_colours_in_a_legend_inside_the_axes():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig = bench.draw_amp_step()
     ax = fig.axes[0]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
@@ -73,9 +77,14 @@ def test_the_amp_step_picture_has_its_three_colours_in_a_legend_inside_the_axes(
     plt.close(fig)
 
 
-@pytest.mark.parametrize("cc, native, expect", [((7, 5), False, "sm_75) has fp16 Tensor Cores"),
-                                                ((8, 0), True, "sm_80) has bf16 Tensor Cores"),
-                                                ((6, 1), False, "sm_61) has no Tensor Cores")])
+@pytest.mark.parametrize(
+    "cc, native, expect",
+    [
+        ((7, 5), False, "sm_75) has fp16 Tensor Cores"),
+        ((8, 0), True, "sm_80) has bf16 Tensor Cores"),
+        ((6, 1), False, "sm_61) has no Tensor Cores"),
+    ],
+)
 def test_compare_runs_on_a_gpu_names_its_tensor_cores(monkeypatch, cc, native, expect):
     monkeypatch.setattr(bench, "cuda_capability", lambda dev=None: cc)
     monkeypatch.setattr(bench, "has_native_bf16", lambda dev=None: native)
@@ -94,6 +103,7 @@ def test_a_cuda_step_row_is_timed_with_cudnn_autotuning_on_and_restores_the_flag
 
         def train_step(self, batches):
             seen.setdefault("benchmark", torch.backends.cudnn.benchmark)
+
     monkeypatch.setattr(bench, "synthetic_batches", lambda *a, **k: [(torch.zeros(2, 1, 28, 28), torch.zeros(2))])
     monkeypatch.setattr(bench, "Trainer", FakeTrainer)
     monkeypatch.setattr(bench, "peak_memory_bytes", lambda step, device: step() or 0)

@@ -6,6 +6,7 @@ passes on fresh inputs, and plausible mistakes, hard-coded answers and forbidden
 with a message that says what is wrong. Functions that stand for notebook code are defined in a
 module named __main__, as a notebook cell defines them, so the shortcut detector sees them.
 """
+
 from __future__ import annotations
 
 import math
@@ -39,6 +40,7 @@ def notebook_function(source: str, name: str, **names) -> object:
 
 # --------------------------------------------------------------------------- chapter 00
 
+
 def choose_precision(cc):
     if cc >= (8, 0):
         return "bf16", False
@@ -58,9 +60,12 @@ def test_choose_precision_accepts_the_rule_and_rejects_common_mistakes():
 
 def test_choose_precision_names_the_library_shortcut():
     """course_lib is absent from the process that judges the task: the shortcut's import fails there."""
-    status, msg = judged_cells("00.choose_precision", "from course_lib.device import recommend_precision",
-                               "def choose_precision(cc):\n    r = recommend_precision(capability=cc)\n"
-                               "    return r.precision, r.use_grad_scaler")
+    status, msg = judged_cells(
+        "00.choose_precision",
+        "from course_lib.device import recommend_precision",
+        "def choose_precision(cc):\n    r = recommend_precision(capability=cc)\n"
+        "    return r.precision, r.use_grad_scaler",
+    )
     assert status == "failed" and "needs course_lib" in msg and "write the rule yourself" in msg, msg
 
 
@@ -79,8 +84,9 @@ def _timed(fn, warmup, iters, pick):
 @pytest.mark.timing
 def test_median_step_ms_accepts_the_median_and_rejects_every_shortcut():
     passes("00.median_step_ms", lambda fn, warmup, iters: _timed(fn, warmup, iters, statistics.median), times=1)
-    passes("00.median_step_ms", lambda fn, warmup, iters: np.float32(_timed(fn, warmup, iters, statistics.median)),
-           times=1)  # a numpy scalar is a number too
+    passes(
+        "00.median_step_ms", lambda fn, warmup, iters: np.float32(_timed(fn, warmup, iters, statistics.median)), times=1
+    )  # a numpy scalar is a number too
 
     def constant(fn, warmup, iters):
         for _ in range(warmup + iters):
@@ -94,12 +100,14 @@ def test_median_step_ms_accepts_the_median_and_rejects_every_shortcut():
     assert "fastest call" in fails("00.median_step_ms", lambda fn, warmup, iters: _timed(fn, warmup, iters, min))
     assert "mean" in fails("00.median_step_ms", lambda fn, warmup, iters: _timed(fn, warmup, iters, statistics.mean))
     assert "warm-up" in fails("00.median_step_ms", with_warmups)
-    assert "seconds" in fails("00.median_step_ms",
-                              lambda fn, warmup, iters: _timed(fn, warmup, iters, statistics.median) / 1000)
+    assert "seconds" in fails(
+        "00.median_step_ms", lambda fn, warmup, iters: _timed(fn, warmup, iters, statistics.median) / 1000
+    )
     assert "called fn" in fails("00.median_step_ms", lambda fn, warmup, iters: _timed(fn, 0, iters, statistics.median))
 
 
 # --------------------------------------------------------------------------- chapter 01
+
 
 def decode_fp16(bits):
     sign = -1.0 if bits >> 15 else 1.0
@@ -140,42 +148,63 @@ def dot_sequential_fp32_accumulator(x, y):  # also right: another fp32 summation
 
 WRONG_CH01 = {
     "01.decode_fp16": {
-        "forgets subnormals": lambda b: decode_fp16(b) if (b >> 10) & 0x1F or not b & 0x3FF else
-        (-1.0 if b >> 15 else 1.0) * math.ldexp(1024 + (b & 0x3FF), -25),
+        "forgets subnormals": lambda b: (
+            decode_fp16(b)
+            if (b >> 10) & 0x1F or not b & 0x3FF
+            else (-1.0 if b >> 15 else 1.0) * math.ldexp(1024 + (b & 0x3FF), -25)
+        ),
         "bias 16": lambda b: decode_fp16(b) / 2 if (b >> 10) & 0x1F != 31 else decode_fp16(b),
         "subnormal exponent -15": lambda b: decode_fp16(b) / 2 if not (b >> 10) & 0x1F else decode_fp16(b),
-        "no inf or NaN": lambda b: (-1.0 if b >> 15 else 1.0) * (
-            math.ldexp(b & 0x3FF, -24) if not (b >> 10) & 0x1F
-            else math.ldexp(1024 + (b & 0x3FF), ((b >> 10) & 0x1F) - 25)),
+        "no inf or NaN": lambda b: (
+            (-1.0 if b >> 15 else 1.0)
+            * (
+                math.ldexp(b & 0x3FF, -24)
+                if not (b >> 10) & 0x1F
+                else math.ldexp(1024 + (b & 0x3FF), ((b >> 10) & 0x1F) - 25)
+            )
+        ),
         "loses -0.0": lambda b: decode_fp16(b) or 0.0,
         "a string": lambda b: str(decode_fp16(b)),
     },
     "01.round_to_bf16": {
         "truncation": lambda b: b >> 16,
-        "round half up": lambda b: 0x7FC0 if (b & 0x7F800000) == 0x7F800000 and b & 0x7FFFFF else ((b + 0x8000) >> 16)
-        & 0xFFFF,
+        "round half up": lambda b: (
+            0x7FC0 if (b & 0x7F800000) == 0x7F800000 and b & 0x7FFFFF else ((b + 0x8000) >> 16) & 0xFFFF
+        ),
         "NaN unaware": lambda b: ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF,
     },
     "01.fp_fate": {
         "overflow above max": lambda x, f: "overflow" if abs(x) > F.get_format(f).max else FL.fate(x, f),
         "no subnormals": lambda x, f: "underflow" if FL.fate(x, f) == "subnormal" else FL.fate(x, f),
-        "underflow below smallest subnormal": lambda x, f: "underflow" if abs(x) < F.get_format(f).smallest_subnormal
-        else FL.fate(x, f),
+        "underflow below smallest subnormal": lambda x, f: (
+            "underflow" if abs(x) < F.get_format(f).smallest_subnormal else FL.fate(x, f)
+        ),
         "bf16 treated as fp16": lambda x, f: FL.fate(x, "fp16"),
     },
     "01.bf16_dot_errors": {
-        "inputs not rounded": lambda x, y: ((abs(torch.dot(x, y).double() - torch.dot(x.double(), y.double()))
-                                             / torch.dot(x.double(), y.double())).item(), bf16_dot_errors(x, y)[1]),
-        "naive with torch.dot": lambda x, y: (bf16_dot_errors(x, y)[0],
-                                              (abs(torch.dot(x.bfloat16(), y.bfloat16()).double()
-                                                   - torch.dot(x.double(), y.double()))
-                                               / torch.dot(x.double(), y.double())).item()),
+        "inputs not rounded": lambda x, y: (
+            (
+                abs(torch.dot(x, y).double() - torch.dot(x.double(), y.double())) / torch.dot(x.double(), y.double())
+            ).item(),
+            bf16_dot_errors(x, y)[1],
+        ),
+        "naive with torch.dot": lambda x, y: (
+            bf16_dot_errors(x, y)[0],
+            (
+                abs(torch.dot(x.bfloat16(), y.bfloat16()).double() - torch.dot(x.double(), y.double()))
+                / torch.dot(x.double(), y.double())
+            ).item(),
+        ),
         "absolute errors": lambda x, y: [e * torch.dot(x.double(), y.double()).item() for e in bf16_dot_errors(x, y)],
         "one number": lambda x, y: bf16_dot_errors(x, y)[0],
     },
 }
-RIGHT_CH01 = {"01.decode_fp16": decode_fp16, "01.round_to_bf16": round_to_bf16, "01.fp_fate": fp_fate,
-              "01.bf16_dot_errors": bf16_dot_errors}
+RIGHT_CH01 = {
+    "01.decode_fp16": decode_fp16,
+    "01.round_to_bf16": round_to_bf16,
+    "01.fp_fate": fp_fate,
+    "01.bf16_dot_errors": bf16_dot_errors,
+}
 
 
 @pytest.mark.parametrize("name", RIGHT_CH01)
@@ -199,19 +228,39 @@ def test_decode_shows_a_representative_counterexample_and_the_matching_hint():
     assert "which is not a number" in fails("01.decode_fp16", WRONG_CH01["01.decode_fp16"]["a string"])
 
 
-@pytest.mark.parametrize("name, source, module", [
-    ("01.decode_fp16", "def decode_fp16(bits):\n    return torch.tensor([bits]).to(torch.int16)"
-                       ".view(torch.float16).item()", "torch"),
-    ("01.decode_fp16", "import struct\ndef decode_fp16(bits):\n    return struct.unpack('<e', "
-                       "bits.to_bytes(2, 'little'))[0]", "struct"),
-    ("01.decode_fp16", "def decode_fp16(bits):\n    return float(np.frombuffer(bits.to_bytes(2, 'little'), "
-                       "np.float16)[0])", "numpy"),
-    ("01.decode_fp16", "def decode_fp16(bits):\n    return print.__self__.__import__('str' + 'uct')"
-                       ".unpack('<e', bits.to_bytes(2, 'little'))[0]", "struct"),
-    ("01.round_to_bf16", "def round_to_bf16(bits):\n"
-                         "    x = torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32)\n"
-                         "    return x.to(torch.bfloat16).view(torch.int16).item() & 0xFFFF", "torch"),
-])
+@pytest.mark.parametrize(
+    "name, source, module",
+    [
+        (
+            "01.decode_fp16",
+            "def decode_fp16(bits):\n    return torch.tensor([bits]).to(torch.int16).view(torch.float16).item()",
+            "torch",
+        ),
+        (
+            "01.decode_fp16",
+            "import struct\ndef decode_fp16(bits):\n    return struct.unpack('<e', bits.to_bytes(2, 'little'))[0]",
+            "struct",
+        ),
+        (
+            "01.decode_fp16",
+            "def decode_fp16(bits):\n    return float(np.frombuffer(bits.to_bytes(2, 'little'), np.float16)[0])",
+            "numpy",
+        ),
+        (
+            "01.decode_fp16",
+            "def decode_fp16(bits):\n    return print.__self__.__import__('str' + 'uct')"
+            ".unpack('<e', bits.to_bytes(2, 'little'))[0]",
+            "struct",
+        ),
+        (
+            "01.round_to_bf16",
+            "def round_to_bf16(bits):\n"
+            "    x = torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32)\n"
+            "    return x.to(torch.bfloat16).view(torch.int16).item() & 0xFFFF",
+            "torch",
+        ),
+    ],
+)
 def test_by_hand_tasks_name_the_library_shortcut(name, source, module):
     """The shortcut's module is absent from the process that judges a "by hand" task, however it is reached."""
     status, msg = judged_cells(name, "import math, torch\nimport numpy as np", source)
@@ -220,6 +269,7 @@ def test_by_hand_tasks_name_the_library_shortcut(name, source, module):
 
 
 # --------------------------------------------------------------------------- chapter 02
+
 
 def predict_ref(op, device_type, autocast_dtype, input_dtypes):
     if op in ("linear", "matmul"):
@@ -233,18 +283,21 @@ def test_predict_dtype_accepts_the_rule_and_rejects_wrong_rules():
     passes("02.predict_dtype", predict_ref, times=1)
     fails("02.predict_dtype", lambda op, d, dt, ins: dt)  # "everything runs in 16 bits"
     fails("02.predict_dtype", lambda op, d, dt, ins: ins[0])  # "autocast changes nothing"
-    fails("02.predict_dtype",
-          lambda op, d, dt, ins: torch.float32 if op == "mse_loss" else predict_ref("add", d, dt, ins))
+    fails(
+        "02.predict_dtype", lambda op, d, dt, ins: torch.float32 if op == "mse_loss" else predict_ref("add", d, dt, ins)
+    )
     fails("02.predict_dtype", lambda op, d, dt, ins: str(predict_ref(op, d, dt, ins)))  # a string, not a dtype
     from course_lib.chapters.ch02.autocast_policy import fake_cuda_available
+
     if fake_cuda_available() or torch.cuda.is_available():  # the CUDA lists applied on the CPU too
         fails("02.predict_dtype", lambda op, d, dt, ins: predict_ref(op, "cuda", dt, ins))
 
 
 def test_predict_dtype_names_the_library_shortcut():
     shortcut = "def predict_dtype(op, d, dt, ins):\n    return output_dtype(op, d, dt, ins, fake=d == 'cuda')"
-    status, msg = judged_cells("02.predict_dtype", "from course_lib.chapters.ch02.autocast_policy import output_dtype",
-                               shortcut)
+    status, msg = judged_cells(
+        "02.predict_dtype", "from course_lib.chapters.ch02.autocast_policy import output_dtype", shortcut
+    )
     assert status == "failed" and "needs course_lib" in msg and "which this task asks you not to use" in msg, msg
 
 
@@ -261,8 +314,7 @@ def _sqdist_factory(cast_inputs=True, fwd=True, bwd=True, grad_factor=1.0, swap_
             @staticmethod
             def backward(ctx, g):
                 a, b = ctx.saved_tensors
-                return (grad_factor * 2 * (g.sum(1, keepdim=True) * a - g @ b),
-                        2 * (g.sum(0)[:, None] * b - g.T @ a))
+                return (grad_factor * 2 * (g.sum(1, keepdim=True) * a - g @ b), 2 * (g.sum(0)[:, None] * b - g.T @ a))
 
         if fwd:
             deco = torch.amp.custom_fwd(device_type=dev, cast_inputs=torch.float32 if cast_inputs else None)
@@ -270,15 +322,16 @@ def _sqdist_factory(cast_inputs=True, fwd=True, bwd=True, grad_factor=1.0, swap_
         if bwd:
             SqDist.backward = staticmethod(torch.amp.custom_bwd(device_type=dev)(SqDist.__dict__["backward"].__func__))
         return SqDist
+
     return make
 
 
 def test_make_sqdist_accepts_the_reference_and_rejects_unsafe_versions():
     passes("02.make_sqdist", _sqdist_factory(), times=2)
     assert "float32" in fails("02.make_sqdist", _sqdist_factory(fwd=False, bwd=False))  # no decorators
-    fails("02.make_sqdist", _sqdist_factory(cast_inputs=False))          # forward runs under autocast
+    fails("02.make_sqdist", _sqdist_factory(cast_inputs=False))  # forward runs under autocast
     assert "custom_bwd" in fails("02.make_sqdist", _sqdist_factory(bwd=False))  # backward under autocast
-    fails("02.make_sqdist", _sqdist_factory(swap_device=True))           # decorated for the other device
+    fails("02.make_sqdist", _sqdist_factory(swap_device=True))  # decorated for the other device
     assert "gradient for a" in fails("02.make_sqdist", _sqdist_factory(grad_factor=0.5))
     assert "Function subclass" in fails("02.make_sqdist", lambda device_type: "not a Function")
 
@@ -290,6 +343,7 @@ def islands_ref(model, x, device_type, dtype):
         def record(mod, args, out):
             if args[0].dtype in (torch.float16, torch.bfloat16) and out.dtype == torch.float32:
                 found.append(name)
+
         return record
 
     hooks = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if not list(m.children())]
@@ -346,11 +400,12 @@ def test_median_step_ms_allows_for_sleeps_that_overshoot_on_a_busy_machine():
     judged against what the grader measured the calls really slept; 10 ms above it still fails, late or on time."""
     from course_lib.tooling.checkbase import CheckFailure
     from course_lib.tooling.checks import ch00
+
     check = next(c for c in checks_for("00") if c.name == "00.median_step_ms")
     case = ch00._timing_case(random.Random(3))
     ms = [1000 * x for x in case["seconds"]]
     late = [m + 5.0 for m in ms]
-    got = statistics.median(late[case["warmup"]:])
+    got = statistics.median(late[case["warmup"] :])
     check.judge([{**case, "_slept_ms": late}], [{"ms": got}])
     with pytest.raises(CheckFailure, match="median timed call"):
         check.judge([{**case, "_slept_ms": late}], [{"ms": got + 10.0}])
@@ -359,6 +414,7 @@ def test_median_step_ms_allows_for_sleeps_that_overshoot_on_a_busy_machine():
 
 
 # --------------------------------------------------------------------------- the durations stay in the grader
+
 
 def separate_kernel(name: str, source: str, seed: int | None = None) -> tuple[str, str]:
     """(status, message) for `source`, a notebook cell defining the task's function, judged as the batch
@@ -440,8 +496,11 @@ def test_median_step_ms_passes_in_a_separate_kernel_that_never_sees_the_duration
     passes_in_a_separate_kernel("00.median_step_ms", MEDIAN_STEP_MS)
 
 
-@pytest.mark.parametrize("source", [READS_THE_CLOSURE, PATCHES_SLEEP, SCANS_GC, READS_FN_GLOBALS],
-                         ids=["closure", "patched sleep", "gc", "fn globals"])
+@pytest.mark.parametrize(
+    "source",
+    [READS_THE_CLOSURE, PATCHES_SLEEP, SCANS_GC, READS_FN_GLOBALS],
+    ids=["closure", "patched sleep", "gc", "fn globals"],
+)
 @pytest.mark.slow
 @pytest.mark.timing
 def test_median_step_ms_rejects_reading_the_durations_in_the_kernel(source):
@@ -449,8 +508,9 @@ def test_median_step_ms_rejects_reading_the_durations_in_the_kernel(source):
     assert status == "failed", message
 
 
-@pytest.mark.parametrize("source", [READS_THE_CLOSURE, PATCHES_SLEEP, READS_FN_GLOBALS],
-                         ids=["closure", "patched sleep", "fn globals"])
+@pytest.mark.parametrize(
+    "source", [READS_THE_CLOSURE, PATCHES_SLEEP, READS_FN_GLOBALS], ids=["closure", "patched sleep", "fn globals"]
+)
 @pytest.mark.timing
 def test_median_step_ms_rejects_reading_the_durations_inline_too(source):
     fails("00.median_step_ms", notebook_function(source, "median_step_ms"))
@@ -464,6 +524,7 @@ def test_median_step_ms_public_case_holds_no_durations():
 
 def test_median_step_ms_counts_calls_itself_and_answers_only_fn():
     from course_lib.tooling.checkbase import CheckFailure
+
     check = next(c for c in checks_for("00") if c.name == "00.median_step_ms")
     case = check.cases(random.Random(0))[0]
     check.host(case, {"call": "fn"})
@@ -473,6 +534,7 @@ def test_median_step_ms_counts_calls_itself_and_answers_only_fn():
 
 
 # --------------------------------------------------------------------------- answers of the wrong shape
+
 
 @pytest.mark.parametrize("answer", [(), ("bf16",), ("bf16", False, "extra"), "bf16"])
 def test_choose_precision_rejects_anything_but_a_pair(answer):
@@ -485,6 +547,7 @@ def test_median_step_ms_rejects_an_answer_that_is_not_a_finite_number(answer):
         for _ in range(warmup + iters):
             fn()
         return answer
+
     assert "expected a" in fails("00.median_step_ms", returns)
 
 
@@ -508,11 +571,15 @@ def test_make_sqdist_judge_rejects_an_output_of_the_wrong_shape(out):
     before comparing, so an answer that arrives empty or short is named as such."""
     from course_lib.tooling.checkbase import CheckFailure
     from course_lib.tooling.checks import get_check
+
     check = get_check("02.make_sqdist")
     case = check.cases(random.Random(0))[0]
     grads = {f"grad_{k}": {"array": case[k], "dtype": "float64"} for k in ("a", "b")}
-    answer = {"out": out if isinstance(out, float) else {"array": out, "dtype": "float64"},
-              "out_dtype": {"dtype": "float64"}, **grads}
+    answer = {
+        "out": out if isinstance(out, float) else {"array": out, "dtype": "float64"},
+        "out_dtype": {"dtype": "float64"},
+        **grads,
+    }
     with pytest.raises(CheckFailure, match=r"expected the output to be a \(\d, \d\) tensor of squared distances"):
         check.judge([case], [answer])
 
@@ -530,7 +597,9 @@ def test_make_sqdist_rejects_nan_outputs_under_autocast():
             def backward(ctx, g):
                 a, b = ctx.saved_tensors
                 return 2 * (g.sum(1, keepdim=True) * a - g @ b), 2 * (g.sum(0)[:, None] * b - g.T @ a)
+
         return Nan
+
     assert "inf/NaN" in fails("02.make_sqdist", nan_under_autocast)
 
 
@@ -541,12 +610,15 @@ def test_find_fp32_islands_says_what_an_empty_list_misses():
 
 # --------------------------------------------------------------------------- the kernel side holds no check module
 
+
 @pytest.mark.parametrize("chapter", ["00", "01", "02", "06", "09"])
 def test_probes_run_without_the_check_modules(chapter):
     """The grader's kernel has no course_lib/tooling/checks: the probes must not need it, nor its references."""
-    code = (f"import sys, course_lib.tooling.probes.ch{chapter}\n"
-            "bad = [m for m in sys.modules if m.startswith('course_lib.tooling.checks')]\n"
-            "assert not bad, bad")
+    code = (
+        f"import sys, course_lib.tooling.probes.ch{chapter}\n"
+        "bad = [m for m in sys.modules if m.startswith('course_lib.tooling.checks')]\n"
+        "assert not bad, bad"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-600:]
     assert all("run" not in type(c).__dict__ for c in checks_for(chapter))

@@ -5,6 +5,7 @@ references in this process, answers through JSON). Functions that stand for note
 defined in a module named __main__, as a notebook cell defines them, so the shortcut detector
 sees their calls.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,10 +35,10 @@ def test_chapter_03_registers_its_two_tasks():
     assert [c.name for c in checks_for("03")] == ["03.update_scale", "03.clipped_step"]
 
 
-
 # --------------------------------------------------------------------------- hints
 # check() prints a task's hint under the message after every failed attempt: it must point at the
 # idea, never hand over the answer. The task's text states the update rule; the learner writes it.
+
 
 def solution_lines(task: str) -> list[str]:
     """The code lines of a task's answer in solutions/03 (between the markers), comments dropped."""
@@ -65,8 +66,17 @@ def test_the_hint_gives_the_idea_not_the_answer(task):
 def test_the_update_rule_hint_does_not_state_the_arithmetic():
     hint = next(c.hint for c in checks_for("03") if c.name == "03.update_scale")
     # the hint must not state the rule formula by formula: no piece of the arithmetic appears in it
-    for given_away in ("scale * backoff_factor", "scale * growth_factor", "tracker + 1", "== growth_interval",
-                       "not >=", "tracker = 0", "tracker = t", "to_float32(", "unless that is inf"):
+    for given_away in (
+        "scale * backoff_factor",
+        "scale * growth_factor",
+        "tracker + 1",
+        "== growth_interval",
+        "not >=",
+        "tracker = 0",
+        "tracker = t",
+        "to_float32(",
+        "unless that is inf",
+    ):
         assert given_away not in hint, given_away
     # still useful: the three cases, the interval, float32 rounding, and where the chapter explains it
     for pointer in ("three cases", "overflow", "growth_interval", "float32", "section 3"):
@@ -83,6 +93,7 @@ def test_the_clipping_hint_names_the_idea_not_the_calls():
 
 def test_a_failed_attempt_prints_the_message_then_the_hint(capsys):
     from course_lib.tooling.grading import check
+
     check("03.update_scale", rule(**{"if t == growth_interval:": "if t >= growth_interval:"}))
     out = capsys.readouterr().out
     assert out.startswith("❌ 03.update_scale") and "with ==" in out  # the message diagnoses the mistake
@@ -96,7 +107,9 @@ def to_float32(x):
     return torch.tensor(x, dtype=torch.float64).to(torch.float32).item()
 """
 
-RIGHT = TO_F32 + """
+RIGHT = (
+    TO_F32
+    + """
 def update_scale(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval):
     if found_inf:
         return to_float32(scale * backoff_factor), 0
@@ -106,6 +119,7 @@ def update_scale(scale, tracker, found_inf, growth_factor, backoff_factor, growt
         return (grown if math.isfinite(grown) else scale), 0
     return scale, t
 """
+)
 
 
 def rule(**changes: str) -> object:
@@ -122,19 +136,27 @@ def test_update_scale_accepts_the_rule():
 
 
 def test_update_scale_accepts_other_ways_to_round_to_float32():
-    with_struct = notebook_function(RIGHT.replace(
-        "return torch.tensor(x, dtype=torch.float64).to(torch.float32).item()",
-        "try:\n        return struct.unpack('f', struct.pack('f', x))[0]\n"
-        "    except OverflowError:\n        return math.copysign(math.inf, x)"), "update_scale")
+    with_struct = notebook_function(
+        RIGHT.replace(
+            "return torch.tensor(x, dtype=torch.float64).to(torch.float32).item()",
+            "try:\n        return struct.unpack('f', struct.pack('f', x))[0]\n"
+            "    except OverflowError:\n        return math.copysign(math.inf, x)",
+        ),
+        "update_scale",
+    )
     passes("03.update_scale", with_struct, times=1)
 
 
 def test_update_scale_accepts_numpy_and_tensor_return_values():
     import numpy as np
+
     right = rule()
     passes("03.update_scale", lambda *a: (np.float64(right(*a)[0]), np.int32(right(*a)[1])), times=1)
-    passes("03.update_scale", lambda s, *a: (torch.tensor(right(float(s), *a)[0], dtype=torch.float64),
-                                             right(float(s), *a)[1]), times=1)
+    passes(
+        "03.update_scale",
+        lambda s, *a: (torch.tensor(right(float(s), *a)[0], dtype=torch.float64), right(float(s), *a)[1]),
+        times=1,
+    )
 
 
 def test_update_scale_rejects_a_hard_coded_answer():
@@ -142,27 +164,53 @@ def test_update_scale_rejects_a_hard_coded_answer():
 
 
 MISTAKES = {
-    "fp64 arithmetic (never rounded to float32)": (dict(**{
-        "return to_float32(scale * backoff_factor), 0": "return scale * backoff_factor, 0",
-        "grown = to_float32(scale * growth_factor)": "grown = scale * growth_factor"}), ("round the double",)),
-    "float32 arithmetic (the factor rounded first)": (dict(**{
-        "return to_float32(scale * backoff_factor), 0": "return (f32t(scale) * f32t(backoff_factor)).item(), 0",
-        "grown = to_float32(scale * growth_factor)": "grown = (f32t(scale) * f32t(growth_factor)).item()",
-        "def update_scale(": "def f32t(x):\n    return torch.tensor(x, dtype=torch.float32)\n\n\ndef update_scale("}),
-        ("double precision",)),
-    "grows after every clean step": (dict(**{"if t == growth_interval:": "if True:"}),
-                                     ("clean step", "past growth_interval")),
+    "fp64 arithmetic (never rounded to float32)": (
+        dict(
+            **{
+                "return to_float32(scale * backoff_factor), 0": "return scale * backoff_factor, 0",
+                "grown = to_float32(scale * growth_factor)": "grown = scale * growth_factor",
+            }
+        ),
+        ("round the double",),
+    ),
+    "float32 arithmetic (the factor rounded first)": (
+        dict(
+            **{
+                "return to_float32(scale * backoff_factor), 0": "return (f32t(scale) * f32t(backoff_factor)).item(), 0",
+                "grown = to_float32(scale * growth_factor)": "grown = (f32t(scale) * f32t(growth_factor)).item()",
+                "def update_scale(": (
+                    "def f32t(x):\n    return torch.tensor(x, dtype=torch.float32)\n\n\ndef update_scale("
+                ),
+            }
+        ),
+        ("double precision",),
+    ),
+    "grows after every clean step": (
+        dict(**{"if t == growth_interval:": "if True:"}),
+        ("clean step", "past growth_interval"),
+    ),
     "grows when the tracker is past the interval (>=)": (
-        dict(**{"if t == growth_interval:": "if t >= growth_interval:"}), ("with ==",)),
-    "grows one step late": (dict(**{"if t == growth_interval:": "if t == growth_interval + 1:"}),
-                            ("time to grow", "restarts at 0 when", "past growth_interval")),
-    "keeps the tracker on an overflow": (dict(**{"return to_float32(scale * backoff_factor), 0":
-                                                 "return to_float32(scale * backoff_factor), tracker"}),
-                                         ("restarts at 0 after an overflow",)),
-    "grows to inf": (dict(**{"return (grown if math.isfinite(grown) else scale), 0": "return grown, 0"}),
-                     ("never grows to inf",)),
-    "a floor at 1": (dict(**{"return to_float32(scale * backoff_factor), 0":
-                             "return max(1.0, to_float32(scale * backoff_factor)), 0"}), ("backoff_factor",)),
+        dict(**{"if t == growth_interval:": "if t >= growth_interval:"}),
+        ("with ==",),
+    ),
+    "grows one step late": (
+        dict(**{"if t == growth_interval:": "if t == growth_interval + 1:"}),
+        ("time to grow", "restarts at 0 when", "past growth_interval"),
+    ),
+    "keeps the tracker on an overflow": (
+        dict(**{"return to_float32(scale * backoff_factor), 0": "return to_float32(scale * backoff_factor), tracker"}),
+        ("restarts at 0 after an overflow",),
+    ),
+    "grows to inf": (
+        dict(**{"return (grown if math.isfinite(grown) else scale), 0": "return grown, 0"}),
+        ("never grows to inf",),
+    ),
+    "a floor at 1": (
+        dict(
+            **{"return to_float32(scale * backoff_factor), 0": "return max(1.0, to_float32(scale * backoff_factor)), 0"}
+        ),
+        ("backoff_factor",),
+    ),
 }
 
 
@@ -175,7 +223,8 @@ def test_update_scale_rejects_a_plausible_mistake_and_says_why(mistake):
 
 
 def test_update_scale_refuses_gradscaler_and_the_course_library():
-    with_gradscaler = notebook_function("""
+    with_gradscaler = notebook_function(
+        """
 def update_scale(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval):
     s = torch.amp.GradScaler("cpu", init_scale=scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
                              growth_interval=growth_interval)
@@ -187,27 +236,36 @@ def update_scale(scale, tracker, found_inf, growth_factor, backoff_factor, growt
     s.step(opt)
     s.update()
     return s.get_scale(), s.state_dict()["_growth_tracker"]
-""", "update_scale")
+""",
+        "update_scale",
+    )
     message = fails("03.update_scale", with_gradscaler)  # its update() runs into the switched-off kernel
     assert "GradScaler's own kernels" in message and "yourself" in message
 
     imports = "from course_lib.chapters.ch03.scaler import DynamicLossScaler"
-    status, message = judged_cells("03.update_scale", imports, """
+    status, message = judged_cells(
+        "03.update_scale",
+        imports,
+        """
 def update_scale(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval):
     ref = DynamicLossScaler(scale, growth_factor, backoff_factor, growth_interval, tracker)
     ref.update(found_inf)
     return ref.scale, ref.growth_tracker
-""")
+""",
+    )
     assert status == "failed" and "needs course_lib" in message, message  # absent from the task's process
 
 
 def test_update_scale_refuses_torchs_own_kernel():
-    with_kernel = notebook_function("""
+    with_kernel = notebook_function(
+        """
 def update_scale(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval):
     s, t = torch.tensor(scale), torch.tensor(tracker, dtype=torch.int32)
     torch._amp_update_scale_(s, t, torch.tensor(float(found_inf)), growth_factor, backoff_factor, growth_interval)
     return s.item(), t.item()
-""", "update_scale")
+""",
+        "update_scale",
+    )
     message = fails("03.update_scale", with_kernel)
     assert "own kernels" in message
     assert torch._amp_update_scale_.__name__ == "_amp_update_scale_"  # restored after the check
@@ -252,25 +310,48 @@ def test_clipped_step_rejects_a_hard_coded_answer():
 
 STEP_MISTAKES = {
     "clips before unscale_": (dict(**{"    scaler.unscale_(optimizer)\n": ""}), "scaler.unscale_(optimizer) before"),
-    "clips, then unscale_": (dict(**{
-        "    scaler.unscale_(optimizer)\n    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\n":
-        "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\n    scaler.unscale_(optimizer)\n"}),
-        "before clipping"),
+    "clips, then unscale_": (
+        dict(
+            **{
+                (
+                    "    scaler.unscale_(optimizer)\n"
+                    "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\n"
+                ): (
+                    "    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\n"
+                    "    scaler.unscale_(optimizer)\n"
+                )
+            }
+        ),
+        "before clipping",
+    ),
     "no update()": (dict(**{"    scaler.update()\n": ""}), "unscale_() is being called after step()"),
-    "optimizer.step() instead of scaler.step()": (dict(**{"scaler.step(optimizer)": "optimizer.step()"}),
-                                                  "scaler.step(optimizer)"),
-    "returns the norm after clipping": (dict(**{
-        "    return norm": "    return torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])"}),
-        "after clipping"),
-    "no clipping at all": (dict(**{"clip_grad_norm_(model.parameters(), max_norm)":
-                                   "clip_grad_norm_(model.parameters(), math.inf)"}), "wrong size"),
-    "clip_grad_value_ instead": (dict(**{
-        "norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)":
-        "norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])\n"
-        "    torch.nn.utils.clip_grad_value_(model.parameters(), max_norm)"}), "wrong size"),
+    "optimizer.step() instead of scaler.step()": (
+        dict(**{"scaler.step(optimizer)": "optimizer.step()"}),
+        "scaler.step(optimizer)",
+    ),
+    "returns the norm after clipping": (
+        dict(**{"    return norm": "    return torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])"}),
+        "after clipping",
+    ),
+    "no clipping at all": (
+        dict(**{"clip_grad_norm_(model.parameters(), max_norm)": "clip_grad_norm_(model.parameters(), math.inf)"}),
+        "wrong size",
+    ),
+    "clip_grad_value_ instead": (
+        dict(
+            **{
+                "norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)": (
+                    "norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])\n"
+                    "    torch.nn.utils.clip_grad_value_(model.parameters(), max_norm)"
+                )
+            }
+        ),
+        "wrong size",
+    ),
     "unscale_ twice": (
         dict(**{"    scaler.step(optimizer)": "    scaler.unscale_(optimizer)\n    scaler.step(optimizer)"}),
-        "already been called"),
+        "already been called",
+    ),
 }
 
 
@@ -282,12 +363,16 @@ def test_clipped_step_rejects_a_plausible_mistake_and_says_why(mistake):
 
 
 def test_clipped_step_refuses_the_course_trainer():
-    status, message = judged_cells("03.clipped_step", "import torch\nfrom course_lib.train import TrainConfig, Trainer",
-                                   RIGHT_STEP.replace("def clipped_step", "def right"), """
+    status, message = judged_cells(
+        "03.clipped_step",
+        "import torch\nfrom course_lib.train import TrainConfig, Trainer",
+        RIGHT_STEP.replace("def clipped_step", "def right"),
+        """
 def clipped_step(model, optimizer, scaler, loss, max_norm):
     Trainer(model, optimizer, TrainConfig(precision="fp32", device="cpu", progress=False))
     return right(model, optimizer, scaler, loss, max_norm)
-""")
+""",
+    )
     assert status == "failed" and "needs course_lib" in message, message
 
 
@@ -295,10 +380,12 @@ def clipped_step(model, optimizer, scaler, loss, max_norm):
 # The batch grader only sees what the learner's kernel sends back, and the kernel can send anything
 # (its probe can be replaced): every answer is checked for its shape before it is compared.
 
+
 def judged(name: str, results: list, seed: int = 5) -> tuple[str, str]:
     """The grader's verdict on `results` sent back for the cases it drew with `seed`."""
     from course_lib.tooling.checkbase import judge_response
     from course_lib.tooling.checks import get_check
+
     check = get_check(name)
     cases = check.cases(random.Random(seed))
     return judge_response(check, cases, json.loads(json.dumps({"results": results(cases)})))
@@ -309,6 +396,7 @@ def right_results(name: str, fn, seed: int = 5) -> list:
     from course_lib.tooling import probes
     from course_lib.tooling.checks import get_check
     from course_lib.tooling.task import respond
+
     check = get_check(name)
     response = json.loads(json.dumps(respond(probes.find(check.name), [fn], check.cases(random.Random(seed)))))
     return response["results"]
@@ -332,8 +420,9 @@ def test_update_scale_rejects_triples_and_nan_scales():
     nan_scale = notebook_function("def update_scale(scale, tracker, *args):\n    return math.nan, 0\n", "update_scale")
     message = fails("03.update_scale", nan_scale)
     assert "expected a finite" in message and "got nan" in message, message
-    inf_tracker = notebook_function("def update_scale(scale, tracker, *args):\n    return scale, math.inf\n",
-                                    "update_scale")
+    inf_tracker = notebook_function(
+        "def update_scale(scale, tracker, *args):\n    return scale, math.inf\n", "update_scale"
+    )
     assert "expected a finite number" in fails("03.update_scale", inf_tracker)
 
 

@@ -6,6 +6,7 @@ stand for notebook code are defined in a module named __main__, as a notebook ce
 so that the shortcut detector sees them. Wrong loops are judged on the cases of seed 0, so that
 each one meets the same cases (the overflowing one among them) on every run.
 """
+
 from __future__ import annotations
 
 import random
@@ -25,7 +26,9 @@ def accumulate(model, optimizer, scaler, micro_batches, loss_fn, dtype):
     device_type = next(model.parameters()).device.type
     total = sum(len(y) for _, y in micro_batches)
 """
-RIGHT = HEADER + """
+RIGHT = (
+    HEADER
+    + """
     optimizer.zero_grad()
     for x, y in micro_batches:
         with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
@@ -34,6 +37,7 @@ RIGHT = HEADER + """
     scaler.step(optimizer)
     scaler.update()
 """
+)
 
 
 def notebook_function(source: str, **names) -> object:
@@ -48,7 +52,9 @@ def test_the_right_loop_passes_on_fresh_cases():
 
 def test_other_right_loops_pass_too():
     # zero_grad at the end of the previous step is not enough here: the check fills .grad first
-    summed = HEADER + """
+    summed = (
+        HEADER
+        + """
     optimizer.zero_grad(set_to_none=False)
     for x, y in micro_batches:
         with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
@@ -61,34 +67,48 @@ def test_other_right_loops_pass_too():
     scaler.update()
     optimizer.zero_grad()
 """
+    )
     status, message = verdict(NAME, notebook_function(summed), seed=1)
     assert status == "passed", message
 
 
 WRONG = {
-    "loss not divided": ("loss = loss_fn(model(x), y) * (len(y) / total)", "loss = loss_fn(model(x), y)",
-                         "was not divided"),
+    "loss not divided": (
+        "loss = loss_fn(model(x), y) * (len(y) / total)",
+        "loss = loss_fn(model(x), y)",
+        "was not divided",
+    ),
     "mean of means on ragged micro-batches": ("* (len(y) / total)", "/ len(micro_batches)", "len(y) / total"),
-    "zero_grad inside the micro-batch loop": ("    optimizer.zero_grad()\n    for x, y in micro_batches:\n",
-                                              "    for x, y in micro_batches:\n        optimizer.zero_grad()\n",
-                                              "zero_grad() inside"),
+    "zero_grad inside the micro-batch loop": (
+        "    optimizer.zero_grad()\n    for x, y in micro_batches:\n",
+        "    for x, y in micro_batches:\n        optimizer.zero_grad()\n",
+        "zero_grad() inside",
+    ),
     "no zero_grad at all": ("    optimizer.zero_grad()\n", "", "zero the gradients first"),
-    "step every micro-batch": ("        scaler.scale(loss).backward()\n    scaler.step(optimizer)\n"
-                               "    scaler.update()",
-                               "        scaler.scale(loss).backward()\n        scaler.step(optimizer)\n"
-                               "        scaler.update()", "optimizer.step() ran"),
-    "update every micro-batch, after unscale_": ("        scaler.scale(loss).backward()\n    scaler.step(optimizer)\n"
-                                                 "    scaler.update()",
-                                                 "        scaler.scale(loss).backward()\n"
-                                                 "        scaler.unscale_(optimizer)\n"
-                                                 "        if y is micro_batches[-1][1]:\n"
-                                                 "            scaler.step(optimizer)\n"
-                                                 "        scaler.update()", "scaler.update() ran"),
-    "update every micro-batch, step at the end": ("        scaler.scale(loss).backward()\n",
-                                                  "        scaler.scale(loss).backward()\n"
-                                                  "        scaler.update()\n", "No inf checks"),
-    "optimizer.step instead of scaler.step": ("    scaler.step(optimizer)", "    optimizer.step()",
-                                              "No inf checks"),  # torch's own message, from update()
+    "step every micro-batch": (
+        "        scaler.scale(loss).backward()\n    scaler.step(optimizer)\n    scaler.update()",
+        "        scaler.scale(loss).backward()\n        scaler.step(optimizer)\n        scaler.update()",
+        "optimizer.step() ran",
+    ),
+    "update every micro-batch, after unscale_": (
+        "        scaler.scale(loss).backward()\n    scaler.step(optimizer)\n    scaler.update()",
+        "        scaler.scale(loss).backward()\n"
+        "        scaler.unscale_(optimizer)\n"
+        "        if y is micro_batches[-1][1]:\n"
+        "            scaler.step(optimizer)\n"
+        "        scaler.update()",
+        "scaler.update() ran",
+    ),
+    "update every micro-batch, step at the end": (
+        "        scaler.scale(loss).backward()\n",
+        "        scaler.scale(loss).backward()\n        scaler.update()\n",
+        "No inf checks",
+    ),
+    "optimizer.step instead of scaler.step": (
+        "    scaler.step(optimizer)",
+        "    optimizer.step()",
+        "No inf checks",
+    ),  # torch's own message, from update()
     "backward without the scaler": ("scaler.scale(loss).backward()", "loss.backward()", ""),
     "no autocast": ("enabled=dtype is not None", "enabled=False", "torch.autocast(device_type"),
     "autocast always on": ("dtype=dtype, enabled=dtype is not None", "dtype=dtype or torch.bfloat16", "expected"),
@@ -105,10 +125,13 @@ def test_plausible_mistakes_fail_with_a_message_that_names_them(mistake):
 
 def test_a_hard_coded_answer_fails():
     # the right loop on fixed data of the right shapes instead of the micro-batches it is given
-    fixed = RIGHT.replace("    for x, y in micro_batches:\n", """    torch.manual_seed(0)
+    fixed = RIGHT.replace(
+        "    for x, y in micro_batches:\n",
+        """    torch.manual_seed(0)
     fixed = [(torch.randn_like(x), y) for x, y in micro_batches]
     for x, y in fixed:
-""")
+""",
+    )
     assert fixed != RIGHT
     assert "differ from the large batch's" in fails(NAME, notebook_function(fixed), seed=0)
 
@@ -123,12 +146,19 @@ def test_the_ragged_cases_alone_catch_the_mean_of_means():
 
 def test_calling_the_chapters_loop_is_refused():
     """The chapter's loop is absent from the process that judges the task, however it is imported."""
-    for how in ("from course_lib.chapters.ch04.accumulation import accumulation_step",
-                "accumulation_step = __import__('course_lib.chapters.ch04.accu' + 'mulation', "
-                "fromlist=['x']).accumulation_step"):
-        status, message = judged_cells(NAME, how, "def accumulate(model, optimizer, scaler, micro_batches, loss_fn, "
-                                       "dtype):\n    accumulation_step(model, optimizer, scaler, micro_batches, "
-                                       "loss_fn, dtype)\n", seed=0)
+    for how in (
+        "from course_lib.chapters.ch04.accumulation import accumulation_step",
+        "accumulation_step = __import__('course_lib.chapters.ch04.accu' + 'mulation', "
+        "fromlist=['x']).accumulation_step",
+    ):
+        status, message = judged_cells(
+            NAME,
+            how,
+            "def accumulate(model, optimizer, scaler, micro_batches, loss_fn, "
+            "dtype):\n    accumulation_step(model, optimizer, scaler, micro_batches, "
+            "loss_fn, dtype)\n",
+            seed=0,
+        )
         assert status == "failed", message
         assert "which this task asks you not to use" in message and "write the loop yourself" in message
 
@@ -146,7 +176,9 @@ def test_the_check_has_points_and_a_hint():
 
 # --------------------------------------------------------------------------- what the gradients alone cannot show
 
-CONCATENATED = HEADER + """
+CONCATENATED = (
+    HEADER
+    + """
     optimizer.zero_grad()
     x = torch.cat([x for x, _ in micro_batches])
     y = torch.cat([y for _, y in micro_batches])
@@ -156,6 +188,7 @@ CONCATENATED = HEADER + """
     scaler.step(optimizer)
     scaler.update()
 """
+)
 
 
 def test_one_pass_over_the_concatenated_micro_batches_fails():
@@ -166,7 +199,9 @@ def test_one_pass_over_the_concatenated_micro_batches_fails():
 
 def test_one_backward_of_the_summed_losses_fails():
     # a forward per micro-batch, but every graph kept alive until one backward at the end
-    summed = HEADER + """
+    summed = (
+        HEADER
+        + """
     optimizer.zero_grad()
     losses = []
     for x, y in micro_batches:
@@ -176,12 +211,14 @@ def test_one_backward_of_the_summed_losses_fails():
     scaler.step(optimizer)
     scaler.update()
 """
+    )
     message = fails(NAME, notebook_function(summed), seed=0)
     assert "backward ran 1 time(s)" in message, message
 
 
-UNSCALE_THEN_STEP = RIGHT.replace("    scaler.step(optimizer)\n",
-                                  "    scaler.unscale_(optimizer)\n    optimizer.step()\n")
+UNSCALE_THEN_STEP = RIGHT.replace(
+    "    scaler.step(optimizer)\n", "    scaler.unscale_(optimizer)\n    optimizer.step()\n"
+)
 
 
 def test_unscale_then_optimizer_step_fails_on_the_overflowing_case():
@@ -193,6 +230,7 @@ def test_unscale_then_optimizer_step_fails_on_the_overflowing_case():
 
 def test_the_overflowing_case_makes_the_right_loop_skip_its_step_and_back_off():
     from course_lib.tooling.probes.ch04 import run_loop
+
     (check,) = checks_for("04")
     for seed in range(3):
         (case,) = [c for c in check.cases(random.Random(seed)) if c["overflow"]]
@@ -210,7 +248,9 @@ def test_backward_inside_autocast_fails():
 
 
 def test_step_and_update_inside_autocast_fail():
-    inside = HEADER + """
+    inside = (
+        HEADER
+        + """
     optimizer.zero_grad()
     with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
         for x, y in micro_batches:
@@ -220,6 +260,7 @@ def test_step_and_update_inside_autocast_fail():
         scaler.step(optimizer)
         scaler.update()
 """
+    )
     message = fails(NAME, notebook_function(inside), seed=0)
     assert "the optimizer step ran with autocast on" in message, message
 
@@ -229,9 +270,13 @@ def test_answers_of_the_wrong_shape_fail():
 
     from course_lib.tooling.checkbase import judge_response
     from course_lib.tooling.checks import get_check
+
     check = get_check(NAME)
     cases = check.cases(random.Random(4))
-    for results, says in (([{} for _ in cases], "lacks"), ([[] for _ in cases], "expected a dict"),
-                          (None, "do not match")):
+    for results, says in (
+        ([{} for _ in cases], "lacks"),
+        ([[] for _ in cases], "expected a dict"),
+        (None, "do not match"),
+    ):
         status, message = judge_response(check, cases, json.loads(json.dumps({"results": results})))
         assert status == "failed" and says in message, message

@@ -6,6 +6,7 @@ answers, the plausible mistakes (questions asked in the wrong order, the wrong r
 warm-up, a mean, a missing synchronize) and the forbidden shortcut fail, each with a message
 that says what went wrong.
 """
+
 from __future__ import annotations
 
 import random
@@ -20,6 +21,7 @@ from course_lib.chapters.ch06.traces import diagnose_trace
 from course_lib.tooling.checks import ch06
 
 # --------------------------------------------------------------------------- task 1: the bottleneck
+
 
 def _data(p):
     return sum(r["cpu_ms"] for r in p["ops"] if r["name"].startswith("enumerate(DataLoader)"))
@@ -53,8 +55,12 @@ def test_diagnose_step_accepts_the_three_questions():
 
 
 def test_diagnose_step_rejects_hard_coded_answers():
-    for answer in (("data", "more_workers"), ("overhead", "fewer_launches"), ("compute", "amp"),
-                   ("compute", "fewer_flops")):
+    for answer in (
+        ("data", "more_workers"),
+        ("overhead", "fewer_launches"),
+        ("compute", "amp"),
+        ("compute", "fewer_flops"),
+    ):
         assert f"returned {answer!r}" in fails("06.diagnose_step", lambda p, a=answer: a)
 
 
@@ -63,6 +69,7 @@ def test_diagnose_step_rejects_the_questions_in_the_wrong_order():
         if sum(r["device_ms"] for r in p["ops"]) < 0.5 * p["step_ms"]:
             return "overhead", "fewer_launches"
         return diagnose_step(p)
+
     assert "expected ('data', 'more_workers')" in fails("06.diagnose_step", idle_first)
 
 
@@ -73,7 +80,8 @@ def test_diagnose_step_rejects_reading_the_wrong_row_or_the_wrong_dtype():
             return verdict_
         top = max(p["ops"], key=lambda r: r["cpu_ms"])
         return "compute", "fewer_flops" if "c10::BFloat16" in top["input_types"] or "c10::Half" in top[
-            "input_types"] else "amp"
+            "input_types"
+        ] else "amp"
 
     def any_fp32_op(p):  # the loss and the optimizer stay fp32 under autocast: they say nothing
         verdict_ = diagnose_step(p)
@@ -103,12 +111,16 @@ def test_diagnose_step_names_a_fix_that_does_not_exist():
 
 
 def test_diagnose_step_names_the_library_shortcut():
-    status, msg = judged_cells("06.diagnose_step", "from course_lib.chapters.ch06 import traces",
-                               "def diagnose_step(p):\n    return traces.diagnose_trace(p)\n")
+    status, msg = judged_cells(
+        "06.diagnose_step",
+        "from course_lib.chapters.ch06 import traces",
+        "def diagnose_step(p):\n    return traces.diagnose_trace(p)\n",
+    )
     assert status == "failed" and "needs course_lib" in msg and "which this task asks you not to use" in msg, msg
 
 
 # --------------------------------------------------------------------------- task 2: the timing helper
+
 
 def time_it(fn, sync, warmup=3, iters=10, pick=None):
     for _ in range(warmup):
@@ -131,6 +143,7 @@ def test_time_it_accepts_the_helper_and_any_quartile_method():
 
     def numpy_quartiles(fn, sync, warmup=3, iters=10):
         import numpy as np
+
         for _ in range(warmup):
             fn()
         sync()
@@ -143,6 +156,7 @@ def test_time_it_accepts_the_helper_and_any_quartile_method():
             times.append((time.perf_counter() - t0) * 1000)
         q1, median, q3 = np.percentile(times, [25, 50, 75])
         return {"median_ms": median, "q1_ms": q1, "q3_ms": q3}
+
     passes("06.time_it", numpy_quartiles, times=1)
 
 
@@ -152,6 +166,7 @@ def test_time_it_rejects_a_hard_coded_answer():
             fn()
             sync()
         return {"median_ms": 16.0, "q1_ms": 11.0, "q3_ms": 22.0}
+
     assert "returned median_ms=16.0" in fails("06.time_it", constant, seed=1)
 
 
@@ -160,13 +175,16 @@ def test_time_it_rejects_a_hard_coded_answer():
 def test_time_it_rejects_no_warmup_a_mean_and_a_missing_sync():
     def no_warmup(fn, sync, warmup=3, iters=10):
         return time_it(fn, sync, 0, iters)
+
     assert "called fn" in fails("06.time_it", no_warmup)
 
-    assert "mean" in fails("06.time_it", lambda fn, sync, warmup=3, iters=10: time_it(fn, sync, warmup, iters,
-                                                                                     statistics.mean))
+    assert "mean" in fails(
+        "06.time_it", lambda fn, sync, warmup=3, iters=10: time_it(fn, sync, warmup, iters, statistics.mean)
+    )
 
     def no_sync(fn, sync, warmup=3, iters=10):
         return time_it(fn, lambda: None, warmup, iters)
+
     assert "never called sync()" in fails("06.time_it", no_sync)
 
     def sync_only_at_the_end(fn, sync, warmup=3, iters=10):
@@ -180,6 +198,7 @@ def test_time_it_rejects_no_warmup_a_mean_and_a_missing_sync():
         sync()
         q1, median, q3 = statistics.quantiles(times, n=4)
         return {"median_ms": median, "q1_ms": q1, "q3_ms": q3}
+
     assert "between the warm-up and the first timed call" in fails("06.time_it", sync_only_at_the_end)
 
     def no_sync_after_warmup(fn, sync, warmup=3, iters=10):
@@ -193,6 +212,7 @@ def test_time_it_rejects_no_warmup_a_mean_and_a_missing_sync():
             times.append((time.perf_counter() - t0) * 1000)
         q1, median, q3 = statistics.quantiles(times, n=4)
         return {"median_ms": median, "q1_ms": q1, "q3_ms": q3}
+
     assert "between the warm-up and the first timed call" in fails("06.time_it", no_sync_after_warmup)
 
 
@@ -201,17 +221,20 @@ def test_time_it_rejects_no_warmup_a_mean_and_a_missing_sync():
 def test_time_it_rejects_seconds_and_a_missing_spread():
     def seconds(fn, sync, warmup=3, iters=10):
         return {k: v / 1000 for k, v in time_it(fn, sync, warmup, iters).items()}
+
     assert "seconds" in fails("06.time_it", seconds)
 
     def no_spread(fn, sync, warmup=3, iters=10):
         r = time_it(fn, sync, warmup, iters)
         return {"median_ms": r["median_ms"], "q1_ms": r["median_ms"], "q3_ms": r["median_ms"]}
+
     msg = fails("06.time_it", no_spread)
     assert "quartile of the timed calls" in msg
 
     def a_tuple(fn, sync, warmup=3, iters=10):
         r = time_it(fn, sync, warmup, iters)
         return r["median_ms"], r["q1_ms"], r["q3_ms"]
+
     assert "expected a dict" in fails("06.time_it", a_tuple)
 
 
@@ -301,6 +324,7 @@ def test_time_it_rejects_reading_the_durations_inline_too(source):
 def test_time_it_reference_cannot_be_stretched_by_waiting_before_sync():
     """The grader measures each call from queued to done; a helper that dawdles before sync() and then
     answers a constant does not move the reference to its constant."""
+
     def dawdles(fn, sync, warmup=3, iters=10):
         for _ in range(warmup):
             fn()
@@ -310,12 +334,14 @@ def test_time_it_reference_cannot_be_stretched_by_waiting_before_sync():
             time.sleep(0.06)
             sync()
         return {"median_ms": 60.0, "q1_ms": 60.0, "q3_ms": 60.0}
+
     assert "returned median_ms=60.0" in fails("06.time_it", dawdles)
 
 
 def test_time_it_public_case_holds_no_durations_and_host_counts_calls():
     from course_lib.tooling.checkbase import CheckFailure
     from course_lib.tooling.checks import get_check
+
     check = get_check("06.time_it")
     case = check.cases(random.Random(0))[0]
     assert check.public(case) == {"warmup": case["warmup"], "iters": case["iters"]}
@@ -328,6 +354,7 @@ def test_time_it_public_case_holds_no_durations_and_host_counts_calls():
 
 # --------------------------------------------------------------------------- answers of the wrong shape
 
+
 @pytest.mark.parametrize("answer", [(), ("data",), ("data", "more_workers", "now")])
 def test_diagnose_step_rejects_anything_but_a_pair(answer):
     assert "expected a pair (bottleneck, fix)" in fails("06.diagnose_step", lambda p: answer)
@@ -338,4 +365,5 @@ def test_time_it_rejects_quartiles_that_are_not_finite_numbers(value):
     def wrong(fn, sync, warmup=3, iters=10):
         r = time_it(fn, sync, warmup, iters)
         return {**r, "q1_ms": value}
+
     assert "which is not a number of ms" in fails("06.time_it", wrong)

@@ -10,6 +10,7 @@ DataLoader object) fails; a hard-coded dict fails because the batch size is draw
 busy-machine rule is tested with scripted measurements, so that its verdicts do not depend on this
 machine's load.
 """
+
 from __future__ import annotations
 
 import math
@@ -92,8 +93,9 @@ def four_at_most(batch_size, load_ms, step_ms, cpus):
     return {"batch_size": batch_size, "num_workers": min(cpus, 4)}
 
 
-@pytest.mark.parametrize("wrong", [always_8, four_per_gpu, all_the_cores, rates_without_the_cores, four_at_most],
-                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "wrong", [always_8, four_per_gpu, all_the_cores, rates_without_the_cores, four_at_most], ids=lambda f: f.__name__
+)
 def test_worker_counts_that_ignore_the_machine_fail(wrong):
     msg = fails(NAME, wrong, seed=0)
     assert "returned num_workers=" in msg and "not from a constant" in msg, msg
@@ -106,11 +108,14 @@ def test_the_rule_of_the_chapter_is_within_the_range_on_every_machine():
     for _ in range(2000):
         cpus = rng.choice([1, 2, 3, 4, 6, 8, 16, 32, 64])
         load_ms = round(rng.uniform(5, 500), 1)
-        case = {"batch_size": 32, "load_ms": load_ms, "step_ms": round(load_ms / rng.uniform(0.5, 12), 1),
-                "cpus": cpus}
+        case = {"batch_size": 32, "load_ms": load_ms, "step_ms": round(load_ms / rng.uniform(0.5, 12), 1), "cpus": cpus}
         need = case["load_ms"] / case["step_ms"]
-        for workers in (min(cpus, math.ceil(1.25 * need)), min(cpus, math.ceil(need) + 1),
-                        min(cpus, math.ceil(1.5 * need)), min(cpus, math.ceil(need))):
+        for workers in (
+            min(cpus, math.ceil(1.25 * need)),
+            min(cpus, math.ceil(need) + 1),
+            min(cpus, math.ceil(1.5 * need)),
+            min(cpus, math.ceil(need)),
+        ):
             ch07.check_workers(case, {"num_workers": workers}, "loader_settings(...)")
     case = {"batch_size": 32, "load_ms": 100.0, "step_ms": 10.0, "cpus": 64}
     assert ch07.worker_range(case) == (10, 20)
@@ -119,16 +124,19 @@ def test_the_rule_of_the_chapter_is_within_the_range_on_every_machine():
         ch07.check_workers({**case, "cpus": 6}, {"num_workers": 10}, "loader_settings(...)")
 
 
-@pytest.mark.parametrize("settings, expected", [
-    ({"num_workers": 2, "sampler": None}, "settings this task does not take: ['sampler']"),
-    ({"num_workers": -1}, "num_workers=-1; expected an int from 0 to"),
-    ({"num_workers": 10_000}, "num_workers=10000; expected an int from 0 to"),
-    ({"num_workers": 2.0}, "num_workers=2.0; expected an int"),
-    ({"num_workers": 2, "prefetch_factor": 0}, "prefetch_factor=0; expected None or an int from 1 to 16"),
-    ({"num_workers": 2, "pin_memory": 1}, "pin_memory=1; expected True or False"),
-    ({"num_workers": 0, "prefetch_factor": 4}, "prefetch_factor option could only be specified in multiprocessing"),
-    ({"num_workers": 0, "persistent_workers": True}, "persistent_workers option needs num_workers > 0"),
-])
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        ({"num_workers": 2, "sampler": None}, "settings this task does not take: ['sampler']"),
+        ({"num_workers": -1}, "num_workers=-1; expected an int from 0 to"),
+        ({"num_workers": 10_000}, "num_workers=10000; expected an int from 0 to"),
+        ({"num_workers": 2.0}, "num_workers=2.0; expected an int"),
+        ({"num_workers": 2, "prefetch_factor": 0}, "prefetch_factor=0; expected None or an int from 1 to 16"),
+        ({"num_workers": 2, "pin_memory": 1}, "pin_memory=1; expected True or False"),
+        ({"num_workers": 0, "prefetch_factor": 4}, "prefetch_factor option could only be specified in multiprocessing"),
+        ({"num_workers": 0, "persistent_workers": True}, "persistent_workers option needs num_workers > 0"),
+    ],
+)
 def test_invalid_settings_fail_with_a_clear_message(settings, expected):
     msg = fails(NAME, lambda batch_size, load_ms, step_ms, cpus: {"batch_size": batch_size, **settings})
     assert expected in msg
@@ -178,19 +186,22 @@ def test_the_graders_own_settings_are_valid():
         ch07.validate("fast", case)
 
 
-@pytest.mark.parametrize("measured, workers, passed", [
-    ([0.05], 2, True),                     # hidden on the first measurement
-    ([0.40, 0.05, 0.10], 2, True),         # then: the grader's settings, and a second chance that succeeds
-    ([0.40, 0.05, 0.30, 0.12], 2, True),   # a third chance
-    ([0.40, 0.05, 0.40, 0.35], 1, False),  # the machine could hide it with the grader's settings: fail
-    ([0.16, 0.15], 2, True),               # the grader's settings barely pass: as good as those passes (CI, 2 cores)
-    ([0.26, 0.15, 0.26, 0.22], 2, True),   # ... and on a noisy machine, the best of three runs
-    ([0.35, 0.12, 0.30, 0.28], 1, False),  # too few workers: well beyond the grader's settings and their noise
-    ([0.40, 0.30], 2, True),               # a busy machine: as good as the grader's settings, within tolerance
-    ([0.65, 0.30, 0.60, 0.62], 2, False),  # busy, but much worse than the grader's settings
-    ([0.45, 0.40], 0, False),              # busy, and loading in the training process: never passes
-    ([0.16, 0.15], 0, False),              # loading in the training process never passes, however close
-])
+@pytest.mark.parametrize(
+    "measured, workers, passed",
+    [
+        ([0.05], 2, True),  # hidden on the first measurement
+        ([0.40, 0.05, 0.10], 2, True),  # then: the grader's settings, and a second chance that succeeds
+        ([0.40, 0.05, 0.30, 0.12], 2, True),  # a third chance
+        ([0.40, 0.05, 0.40, 0.35], 1, False),  # the machine could hide it with the grader's settings: fail
+        ([0.16, 0.15], 2, True),  # the grader's settings barely pass: as good as those passes (CI, 2 cores)
+        ([0.26, 0.15, 0.26, 0.22], 2, True),  # ... and on a noisy machine, the best of three runs
+        ([0.35, 0.12, 0.30, 0.28], 1, False),  # too few workers: well beyond the grader's settings and their noise
+        ([0.40, 0.30], 2, True),  # a busy machine: as good as the grader's settings, within tolerance
+        ([0.65, 0.30, 0.60, 0.62], 2, False),  # busy, but much worse than the grader's settings
+        ([0.45, 0.40], 0, False),  # busy, and loading in the training process: never passes
+        ([0.16, 0.15], 0, False),  # loading in the training process never passes, however close
+    ],
+)
 def test_the_verdict_rules_with_scripted_measurements(monkeypatch, capsys, measured, workers, passed):
     """Measurements in call order: the learner's settings, then the grader's, then the learner's again
     (at most twice more, while it is beyond the allowed wait). Inline, what is printed agrees with the
@@ -254,11 +265,14 @@ def test_the_check_runs_in_the_probe_and_the_probe_needs_no_check_module():
 
     from course_lib.tooling import probes
     from course_lib.tooling.probes import ch07 as probe
+
     assert "run" not in vars(ch07.LoaderSettings) and probes.find(NAME) is probe.loader_settings
     assert "tooling.checks" not in inspect.getsource(probe) and "..checks" not in inspect.getsource(probe)
     seen = {}
-    probe.loader_settings({"batch_size": 32, "load_ms": 9.0, "step_ms": 3.0, "cpus": 4, "measured": True},
-                          lambda **kwargs: seen.update(kwargs))
+    probe.loader_settings(
+        {"batch_size": 32, "load_ms": 9.0, "step_ms": 3.0, "cpus": 4, "measured": True},
+        lambda **kwargs: seen.update(kwargs),
+    )
     assert seen == {"batch_size": 32, "load_ms": 9.0, "step_ms": 3.0, "cpus": 4}
 
 

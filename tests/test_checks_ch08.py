@@ -9,6 +9,7 @@ raises. Each answer is written to a module file, as a notebook cell would define
 probe reads its source. The judge-only tests feed the solution's results, changed the way a wrong
 answer would change them, without launching anything.
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,7 +30,7 @@ from course_lib.tooling.probes.ch08 import HEADER
 
 pytestmark = pytest.mark.slow  # each answer trained in a real two-process group: left out by make test-fast
 
-SOLUTION = '''
+SOLUTION = """
 def ddp_train(rank, world_size, model, dataset, *, epochs, batch_size, lr, seed, amp_dtype=torch.bfloat16):
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
@@ -50,7 +51,7 @@ def ddp_train(rank, world_size, model, dataset, *, epochs, batch_size, lr, seed,
         return model
     finally:
         dist.destroy_process_group()
-'''
+"""
 
 
 def variant(*replacements: tuple[str, str]) -> str:
@@ -62,19 +63,27 @@ def variant(*replacements: tuple[str, str]) -> str:
 
 
 NO_DDP = variant(("        ddp_model = DDP(model)\n", "        ddp_model = model\n"))
-AUTOCAST_LINES = ("                with torch.autocast(\"cpu\", dtype=amp_dtype, enabled=amp_dtype != torch.float32):\n"
-                  "                    loss = F.cross_entropy(ddp_model(x), y)\n")
+AUTOCAST_LINES = (
+    '                with torch.autocast("cpu", dtype=amp_dtype, enabled=amp_dtype != torch.float32):\n'
+    "                    loss = F.cross_entropy(ddp_model(x), y)\n"
+)
 NO_AUTOCAST = variant((AUTOCAST_LINES, "                loss = F.cross_entropy(ddp_model(x), y)\n"))
-SCALER_LINES = ("                scaler.scale(loss).backward()\n                scaler.step(optimizer)\n"
-                "                scaler.update()\n")
+SCALER_LINES = (
+    "                scaler.scale(loss).backward()\n                scaler.step(optimizer)\n"
+    "                scaler.update()\n"
+)
 NO_SCALER = variant((SCALER_LINES, "                loss.backward()\n                optimizer.step()\n"))
-RAISES_ON_RANK_1 = variant(("        ddp_model = DDP(model)\n",
-                            "        ddp_model = DDP(model)\n        if rank == 1:\n"
-                            "            raise ValueError(f'rank {rank} has no data')\n"))
+RAISES_ON_RANK_1 = variant(
+    (
+        "        ddp_model = DDP(model)\n",
+        "        ddp_model = DDP(model)\n        if rank == 1:\n"
+        "            raise ValueError(f'rank {rank} has no data')\n",
+    )
+)
 # No process group at all: every rank trains on all ranks' batches itself, so both end with the
 # reference's parameters. Its DataLoaders read in worker processes, where the dataset's own log of
 # reads stays empty: the sample order was not checked then, and this fake passed.
-FAKE_DDP = '''
+FAKE_DDP = """
 def ddp_train(rank, world_size, model, dataset, *, epochs, batch_size, lr, seed, amp_dtype=torch.bfloat16):
     samplers = [DistributedSampler(dataset, num_replicas=world_size, rank=r, shuffle=True, seed=seed)
                 for r in range(world_size)]
@@ -93,15 +102,15 @@ def ddp_train(rank, world_size, model, dataset, *, epochs, batch_size, lr, seed,
             scaler.step(optimizer)
             scaler.update()
     return model
-'''
-HARD_CODED = '''
+"""
+HARD_CODED = """
 def ddp_train(rank, world_size, model, dataset, *, epochs, batch_size, lr, seed, amp_dtype=torch.bfloat16):
     return model  # "trained"
-'''
-STUB = '''
+"""
+STUB = """
 def ddp_train(rank, world_size, model, dataset, *, epochs, batch_size, lr, seed, amp_dtype=torch.bfloat16):
     raise NotImplementedError("Exercise: write your solution here")
-'''
+"""
 
 
 def load(source: str, tmp_path, name: str = "answer"):
@@ -114,6 +123,7 @@ def load(source: str, tmp_path, name: str = "answer"):
 
 
 # --------------------------------------------------------------------------- real launches
+
 
 @pytest.fixture(scope="module")
 def solution_run(tmp_path_factory) -> tuple[list, list]:
@@ -133,12 +143,16 @@ def test_the_solution_passes_in_fp32_bf16_and_an_overflowing_fp16(solution_run):
     assert fp16[0]["injected"] and [g["scales"][0] for g in fp16] == [[65536.0, 32768.0]] * 2  # both backed off
 
 
-@pytest.mark.parametrize("source, expected", [
-    (FAKE_DDP, "forwards without a process group of 2"),
-    (NO_DDP, "outside DistributedDataParallel"),
-    (NO_AUTOCAST, "the model's forward computed in float32 without autocast, expected bfloat16"),
-    (NO_SCALER, "optimizer.step() ran 10 times on rank 0, expected 9 of 10"),
-], ids=["fake-no-process-group", "no-ddp", "no-autocast", "no-scaler"])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        (FAKE_DDP, "forwards without a process group of 2"),
+        (NO_DDP, "outside DistributedDataParallel"),
+        (NO_AUTOCAST, "the model's forward computed in float32 without autocast, expected bfloat16"),
+        (NO_SCALER, "optimizer.step() ran 10 times on rank 0, expected 9 of 10"),
+    ],
+    ids=["fake-no-process-group", "no-ddp", "no-autocast", "no-scaler"],
+)
 def test_a_wrong_answer_fails_with_a_message_that_says_why(source, expected, tmp_path, monkeypatch):
     # a fixed draw, so that the fp16 run's number of steps in the message is known
     real_cases = ch08.DDPTrain.cases
@@ -166,6 +180,7 @@ def test_a_function_without_readable_source_fails_clearly():
 
 
 # --------------------------------------------------------------------------- the judge alone
+
 
 def judged(solution_run, change) -> str:
     """The judge's message on the solution's results after change(results) (must fail)."""
@@ -206,10 +221,12 @@ def test_the_process_group_and_the_ddp_wrapper_are_read_from_every_forward(solut
         for r in range(2):
             for f in ranks[r][0]["forwards"]:
                 f["world"] = 0
+
     assert "without a process group of 2" in judged(solution_run, alone)
 
     def unwrapped(ranks):  # a process group, but the model called directly once
         ranks[0][1]["forwards"][-1]["ddp"] = False
+
     n = len(solution_run[1][0][0][1]["forwards"])
     assert f"1 of its {n} forwards of the model outside DistributedDataParallel" in judged(solution_run, unwrapped)
     assert "never ran the model it was given" in judged(solution_run, lambda ranks: each(ranks, 0, forwards=[]))
@@ -221,16 +238,19 @@ def test_autocast_is_read_from_the_dtype_each_forward_computed_in(solution_run):
     def in_fp32(ranks):
         for f in ranks[0][1]["forwards"]:
             f.update(dtype="float32", autocast=False)
+
     assert "computed in float32 without autocast, expected bfloat16" in judged(solution_run, in_fp32)
 
     def converted(ranks):  # model.to(torch.bfloat16) instead of autocast
         for f in ranks[0][1]["forwards"]:
             f.update(autocast=False, params=["bfloat16"])
+
     assert "parameters were ['bfloat16'] during a forward" in judged(solution_run, converted)
 
     def autocast_in_fp32_run(ranks):
         for f in ranks[1][0]["forwards"]:
             f.update(dtype="bfloat16", autocast=True)
+
     assert "computed in bfloat16 under autocast, expected float32" in judged(solution_run, autocast_in_fp32_run)
 
 
@@ -252,21 +272,25 @@ def test_the_parameters_are_compared_with_one_process_on_the_large_batch(solutio
     def shifted(ranks):
         for r in range(2):
             ranks[r][0]["params"] = {k: (torch.tensor(v) + 1e-2).tolist() for k, v in ranks[r][0]["params"].items()}
+
     assert "differ from one process training on the equivalent batch" in judged(solution_run, shifted)
 
     def apart(ranks):
         ranks[1][1]["params"]["2.bias"][0] += 0.5
+
     assert "ranks 0 and 1 ended with different parameters" in judged(solution_run, apart)
 
     def not_finite(ranks):
         for r in range(2):
             ranks[r][2]["params"]["0.bias"][0] = float("nan")
+
     assert "holds inf or nan" in judged(solution_run, not_finite)
     # batch_size // world_size per rank: twice the steps, on other batches
     run = cases[0]["runs"][0]
     halved = {**run, "batch_size": max(1, run["batch_size"] // 2)}
-    msg = judged(solution_run, lambda ranks: each(ranks, 0, steps=ch08.steps_of(halved),
-                                                  allreduces=ch08.steps_of(halved)))
+    msg = judged(
+        solution_run, lambda ranks: each(ranks, 0, steps=ch08.steps_of(halved), allreduces=ch08.steps_of(halved))
+    )
     assert f"optimizer.step() ran {ch08.steps_of(halved)} times" in msg
     msg = judged(solution_run, lambda ranks: each(ranks, 0, destroyed=False))
     assert "the process group was still initialized" in msg
@@ -286,5 +310,6 @@ def test_results_of_the_wrong_shape_fail_with_what_was_expected(solution_run):
 
 def test_the_check_runs_in_the_probe_and_the_probe_needs_no_check_module():
     from course_lib.tooling.probes import ch08 as probe
+
     assert "run" not in vars(ch08.DDPTrain) and probes.find("08.ddp_train") is probe.ddp_train
     assert "tooling.checks" not in inspect.getsource(probe) and "..checks" not in inspect.getsource(probe)

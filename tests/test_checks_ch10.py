@@ -1,4 +1,5 @@
 """Exercise 10's check accepts the per-tensor count and names the usual wrong ones (work in progress)."""
+
 from checking import fails, passes
 
 from course_lib.tooling.checks import ch10  # noqa: F401  (registers the check)
@@ -28,8 +29,10 @@ def test_forgetting_the_weight_copies_is_named():
 
 def test_counting_the_weights_as_new_memory_is_named():
     def with_weights(batch, seq, n_embd, n_head, precision):
-        return block_saved_bytes(batch, seq, n_embd, n_head, precision) + 4 * 12 * n_embd * n_embd - (
-            2 * 12 * n_embd * n_embd if precision == "bf16" else 0
+        return (
+            block_saved_bytes(batch, seq, n_embd, n_head, precision)
+            + 4 * 12 * n_embd * n_embd
+            - (2 * 12 * n_embd * n_embd if precision == "bf16" else 0)
         )
 
     assert "fp32 weights are counted" in fails("10.block_saved_bytes", with_weights, seed=2)

@@ -2,6 +2,7 @@
 torch._scaled_mm, and names the usual wrong ones: an inverted scale, the wrong axis, e5m2 for a
 forward operand, a product never scaled back, operands never rounded to e4m3. 11.mx_quantize accepts
 MX bytes equal to the reference's bit for bit on fresh tensors and names each plausible mistake."""
+
 import random
 
 import pytest

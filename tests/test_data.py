@@ -1,4 +1,5 @@
 """course_lib.data: shipped subset, fallbacks, error messages, samplers, loaders. All offline."""
+
 from __future__ import annotations
 
 import hashlib
@@ -40,14 +41,17 @@ def no_full_set(monkeypatch, tmp_path):
 @pytest.fixture
 def no_downloads(monkeypatch):
     """Any attempt to reach torchvision's download code or the network fails the test loudly."""
+
     def boom(*args, **kwargs):
         raise AssertionError("a download was attempted under pytest")
+
     monkeypatch.setattr(sources, "torchvision_arrays", boom)
     monkeypatch.setattr("urllib.request.urlopen", boom)
     monkeypatch.setattr(socket.socket, "connect", boom)
 
 
 # ----------------------------------------------------------------------------- shipped data
+
 
 def test_shipped_file_is_the_committed_one():
     assert SHIPPED.stat().st_size < 20e6
@@ -57,8 +61,7 @@ def test_shipped_file_is_the_committed_one():
 def test_shipped_load_shapes_dtypes_normalisation_balance_and_source_line(capsys):
     b = data.load_dataset()
     out = capsys.readouterr().out
-    assert ("data: Fashion-MNIST, shipped subset (10,000 train / 10,000 test) "
-            "from data/fashion_mnist_20k.npz") in out
+    assert ("data: Fashion-MNIST, shipped subset (10,000 train / 10,000 test) from data/fashion_mnist_20k.npz") in out
     assert (b.name, b.source) == ("fashion_mnist", "shipped")
     assert b.description in out
     x, y = b.train.tensors
@@ -82,9 +85,13 @@ def test_verbose_false_prints_nothing(capsys):
 @pytest.mark.skipif(not DEBIAN_PRESENT, reason="needs the full set: apt-get install dataset-fashion-mnist")
 def test_build_script_reproduces_committed_npz_byte_for_byte(tmp_path):
     out = tmp_path / "rebuilt.npz"
-    run = subprocess.run([sys.executable, str(REPO / "data" / "build_subset.py"),
-                          str(sources.DEBIAN_DIR), "--out", str(out)],
-                         capture_output=True, text=True, timeout=120, check=True)
+    run = subprocess.run(
+        [sys.executable, str(REPO / "data" / "build_subset.py"), str(sources.DEBIAN_DIR), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     assert out.read_bytes() == SHIPPED.read_bytes()
     assert SHIPPED_FILE_SHA256 in run.stdout
     assert sources.SHIPPED_ARRAY_SHA256 in run.stdout  # the module checks the same array hash
@@ -99,10 +106,13 @@ def _broken_copies(tmp_path: Path) -> dict[str, bytes]:
     np.savez(altered, **arrays)
     np.savez(renamed, **{("images" if k == "x_train" else k): v for k, v in arrays.items()})
     np.savez(reshaped, **{**arrays, "x_test": arrays["x_test"][:5000]})
-    return {"truncated": good[: len(good) // 2],
-            "not a zip": b"version https://git-lfs.github.com/spec/v1\noid sha256:0\n",
-            "checksum": altered.read_bytes(), "keys": renamed.read_bytes(),
-            "shape": reshaped.read_bytes()}
+    return {
+        "truncated": good[: len(good) // 2],
+        "not a zip": b"version https://git-lfs.github.com/spec/v1\noid sha256:0\n",
+        "checksum": altered.read_bytes(),
+        "keys": renamed.read_bytes(),
+        "shape": reshaped.read_bytes(),
+    }
 
 
 def test_corrupt_shipped_file_gives_clear_error_naming_file_and_fix(tmp_path, monkeypatch):
@@ -118,8 +128,7 @@ def test_corrupt_shipped_file_gives_clear_error_naming_file_and_fix(tmp_path, mo
         assert "python data/build_subset.py" in msg and "git checkout" in msg, what
 
 
-def test_missing_shipped_file_and_nothing_else_says_how_to_get_it(tmp_path, monkeypatch,
-                                                                  no_full_set, no_downloads):
+def test_missing_shipped_file_and_nothing_else_says_how_to_get_it(tmp_path, monkeypatch, no_full_set, no_downloads):
     monkeypatch.setenv("COURSE_DATA_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match="missing") as err:
         data.load_dataset(verbose=False)
@@ -138,6 +147,7 @@ def test_bad_sizes_raise_valueerror():
 
 
 # ----------------------------------------------------------------------------- fallbacks
+
 
 def test_downloads_off_in_ci_offline_mode_and_pytest_says_which(monkeypatch):
     # one condition at a time (the repo's conftest.py also sets COURSE_OFFLINE=1)
@@ -166,14 +176,20 @@ OFF_CASES = {  # environment, allow_download -> the one reason the message gives
     "CI": ({"CI": "true"}, None, "CI=true is set"),
     "pytest": ({"PYTEST_CURRENT_TEST": "x"}, None, "this is a pytest run"),
 }
-REASONS = {"allow_download=False": "allow_download=False", "COURSE_OFFLINE": "COURSE_OFFLINE", "CI": "CI=",
-           "pytest": "pytest", "failed": "failed"}
+REASONS = {
+    "allow_download=False": "allow_download=False",
+    "COURSE_OFFLINE": "COURSE_OFFLINE",
+    "CI": "CI=",
+    "pytest": "pytest",
+    "failed": "failed",
+}
 
 
 @pytest.mark.parametrize("case", OFF_CASES)
 @pytest.mark.parametrize("kwargs", [{"name": "cifar10"}, {"full": True}], ids=["cifar10", "full"])
-def test_the_unavailable_message_names_only_the_reason_that_applies(case, kwargs, tmp_path, monkeypatch,
-                                                                     no_full_set, no_downloads):
+def test_the_unavailable_message_names_only_the_reason_that_applies(
+    case, kwargs, tmp_path, monkeypatch, no_full_set, no_downloads
+):
     env, allow, reason = OFF_CASES[case]
     for var in ("CI", "COURSE_OFFLINE", "PYTEST_CURRENT_TEST"):
         monkeypatch.delenv(var, raising=False)
@@ -235,6 +251,7 @@ def test_cifar10_offline_is_an_error_never_a_substitute(tmp_path, capsys, no_dow
 
 class _FakeCIFAR10:
     """Stands in for torchvision.datasets.CIFAR10 on a network that is down."""
+
     seen_timeouts: list = []
 
     def __init__(self, root, train, download):
@@ -254,8 +271,10 @@ def test_failed_download_is_an_error_and_restores_socket_timeout(tmp_path, monke
     assert "torchvision _FakeCIFAR10 failed (URLError" in capsys.readouterr().out
     # no network: the message says the download failed and why, and names no switch that was not set
     msg = str(e.value)
-    assert "downloading it failed (torchvision _FakeCIFAR10 failed (URLError: <urlopen error [Errno -2] Name or " \
-           "service not known>)). Fix that; offline, use load_dataset('fashion_mnist')" in msg, msg
+    assert (
+        "downloading it failed (torchvision _FakeCIFAR10 failed (URLError: <urlopen error [Errno -2] Name or "
+        "service not known>)). Fix that; offline, use load_dataset('fashion_mnist')" in msg
+    ), msg
     msg = msg.replace(str(tmp_path), "<root>")
     assert not any(w in msg for w in ("downloads are off", "COURSE_OFFLINE", "CI=", "pytest")), msg
 
@@ -276,6 +295,7 @@ def test_a_cached_copy_that_does_not_load_is_named_as_such(tmp_path, monkeypatch
 
 class _BrokenTorchvision(importlib.abc.MetaPathFinder):
     """A CPU torch next to a CUDA torchvision wheel fails at import like this."""
+
     def find_spec(self, name, path=None, target=None):
         if name == "torchvision":
             raise RuntimeError("operator torchvision::nms does not exist")
@@ -296,10 +316,12 @@ def test_broken_torchvision_never_stops_the_learner(how, tmp_path, monkeypatch, 
 
 
 def test_import_needs_no_torchvision():
-    code = ("import sys; sys.modules['torchvision'] = None\n"
-            "import course_lib.data as d\n"
-            "b = d.load_dataset(verbose=False, train_size=10, test_size=10)\n"
-            "assert b.source == 'shipped'")
+    code = (
+        "import sys; sys.modules['torchvision'] = None\n"
+        "import course_lib.data as d\n"
+        "b = d.load_dataset(verbose=False, train_size=10, test_size=10)\n"
+        "assert b.source == 'shipped'"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
 
 
@@ -311,6 +333,7 @@ def test_synthetic_dataset_is_cifar_shaped_and_labelled(capsys):
 
 
 # ----------------------------------------------------------------------------- subsets
+
 
 def test_train_size_takes_a_balanced_deterministic_prefix():
     b = data.load_dataset(train_size=2005, test_size=500, verbose=False)
@@ -325,6 +348,7 @@ def test_train_size_takes_a_balanced_deterministic_prefix():
 
 
 # ----------------------------------------------------------------------------- loaders
+
 
 def test_seeded_sampler_same_seed_and_epoch_same_order():
     a, b = loaders.SeededSampler(100, seed=3), loaders.SeededSampler(100, seed=3)
@@ -355,10 +379,17 @@ def test_seeded_sampler_resume_reproduces_any_epoch():
 
 def test_make_loader_passes_the_knobs_through():
     ds = TensorDataset(torch.arange(10.0), torch.arange(10))
-    dl = loaders.make_loader(ds, 4, num_workers=2, pin_memory=True, persistent_workers=True,
-                          prefetch_factor=3, drop_last=True, seed=1)
-    assert (dl.batch_size, dl.num_workers, dl.pin_memory, dl.persistent_workers,
-            dl.prefetch_factor, dl.drop_last) == (4, 2, True, True, 3, True)
+    dl = loaders.make_loader(
+        ds, 4, num_workers=2, pin_memory=True, persistent_workers=True, prefetch_factor=3, drop_last=True, seed=1
+    )
+    assert (dl.batch_size, dl.num_workers, dl.pin_memory, dl.persistent_workers, dl.prefetch_factor, dl.drop_last) == (
+        4,
+        2,
+        True,
+        True,
+        3,
+        True,
+    )
     assert isinstance(dl.sampler, loaders.SeededSampler) and dl.sampler.seed == 1
     assert len(dl) == 2  # drop_last
     plain = loaders.make_loader(ds, 4, shuffle=False)

@@ -9,6 +9,7 @@ watch: the same parameters. The rest is fast: the command lines, the one-process
 sampler orders it relies on, the formatting. tools/stress_ddp.py runs the notebook's launch 100 times
 with a core kept busy.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -118,7 +119,7 @@ def test_ddp_gradient_is_the_large_batch_gradient(good_run):
     g0, g1 = good_run.load("grads_rank0.pt"), good_run.load("grads_rank1.pt")
     assert all(torch.equal(g0[k], g1[k]) for k in g0)
     seen = [json.loads((good_run.out / f"indices_rank{r}.json").read_text()) for r in range(2)]
-    first = seen[0][0][:cfg["batch"]] + seen[1][0][:cfg["batch"]]
+    first = seen[0][0][: cfg["batch"]] + seen[1][0][: cfg["batch"]]
     x, y = load_dataset(train_size=cfg["train_size"], verbose=False).train.tensors
     model = MLP(hidden=cfg["hidden"], depth=1)
     model.load_state_dict(good_run.load("init.pt"))
@@ -180,8 +181,9 @@ def test_a_hung_rank_is_stopped_by_the_timeout_and_nothing_is_left(tmp_path):
     # and 15 s for the Python between them. It catches a launch that waits out the group's 600 s timeout.
     t0 = time.monotonic()
     with pytest.raises(DDPTimeout) as info:
-        launch(["--backend", "gloo", "--hang-rank", "1", "--fail-at", "2", "--pg-timeout", "600"], out=tmp_path,
-               timeout=20)
+        launch(
+            ["--backend", "gloo", "--hang-rank", "1", "--fail-at", "2", "--pg-timeout", "600"], out=tmp_path, timeout=20
+        )
     assert time.monotonic() - t0 < 20 + 40  # the timeout, then at most the grace periods of stopping
     assert "no result after 20 s" in str(info.value) and "rank 1" in str(info.value)
     run = info.value.run
@@ -192,11 +194,16 @@ def test_a_hung_rank_is_stopped_by_the_timeout_and_nothing_is_left(tmp_path):
 
 def test_a_rank_that_dies_while_exiting_after_its_work_is_said_to_have_done_so(tmp_path):
     with pytest.raises(DDPRunError) as info:
-        launch(["--backend", "gloo", "--train-size", "64", "--epochs", "1", "--crash-at-exit", "0"], out=tmp_path,
-               timeout=240)
+        launch(
+            ["--backend", "gloo", "--train-size", "64", "--epochs", "1", "--crash-at-exit", "0"],
+            out=tmp_path,
+            timeout=240,
+        )
     message = str(info.value)
-    assert message.startswith("rank 0 finished its work but crashed while exiting: exit code -6 (signal 6, SIGABRT), "
-                              "last said '[rank 0] injected crash at exit'"), message
+    assert message.startswith(
+        "rank 0 finished its work but crashed while exiting: exit code -6 (signal 6, SIGABRT), "
+        "last said '[rank 0] injected crash at exit'"
+    ), message
     assert "run the launch again" in message and info.value.run.leftovers() == []
 
 
@@ -204,12 +211,38 @@ def test_a_rank_that_dies_while_exiting_after_its_work_is_said_to_have_done_so(t
 def test_the_worker_leaves_no_process_group_thread_running_at_exit(tmp_path):
     """The cause of the intermittent SIGABRT at exit: DDP (importing torch.distributed.nn late) and FSDP2's mesh
     (kept by DTensor's caches) held the group, so gloo's threads outlived destroy_process_group."""
-    code = ("import sys; from course_lib.chapters.ch08 import ddp_worker as w; w.main(sys.argv[1:]); "
-            "print('left:', w._group_threads())")
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": "0", "OMP_NUM_THREADS": "1"}  # a 1-rank group: the store on a free port
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path), "--backend", "gloo", "--fsdp", "--train-size",
-                           "64", "--epochs", "1"], env=env, capture_output=True, text=True, timeout=240)
+    code = (
+        "import sys; from course_lib.chapters.ch08 import ddp_worker as w; w.main(sys.argv[1:]); "
+        "print('left:', w._group_threads())"
+    )
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "0",
+        "OMP_NUM_THREADS": "1",
+    }  # a 1-rank group: the store on a free port
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            str(tmp_path),
+            "--backend",
+            "gloo",
+            "--fsdp",
+            "--train-size",
+            "64",
+            "--epochs",
+            "1",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "] done" in proc.stdout and "left: []" in proc.stdout, proc.stdout[-500:] + proc.stderr[-3000:]
 
@@ -222,9 +255,22 @@ def test_train_shows_ddp_whole_in_one_short_function():
 
     source = inspect.getsource(train)
     assert len(source.splitlines()) <= 60, "the chapter prints train whole: keep it short"
-    steps = ["LOCAL_RANK", "set_device(", "init_process_group(", "try:", "DDP(model", "DistributedSampler(",
-             "GradScaler(device.type, enabled=dtype == torch.float16)", "set_epoch(epoch)", "amp_step(ddp",
-             "if rank == 0:", "torch.save(", "dist.barrier()", "finally:", "destroy_process_group()"]
+    steps = [
+        "LOCAL_RANK",
+        "set_device(",
+        "init_process_group(",
+        "try:",
+        "DDP(model",
+        "DistributedSampler(",
+        "GradScaler(device.type, enabled=dtype == torch.float16)",
+        "set_epoch(epoch)",
+        "amp_step(ddp",
+        "if rank == 0:",
+        "torch.save(",
+        "dist.barrier()",
+        "finally:",
+        "destroy_process_group()",
+    ]
     at = [source.find(step) for step in steps]
     assert -1 not in at and at == sorted(at), dict(zip(steps, at))
     assert not any(word in source for word in ("print(", "checksum", "json", "fsdp", "all_gather"))
@@ -235,14 +281,41 @@ def test_the_instruments_only_watch_train_alone_trains_the_same_parameters(tmp_p
     """train with the default Hooks() (plain DDP) and with main's Instruments, in a 1-rank group each: the same
     checkpoint, and without the instruments nothing else is written or printed."""
     plain, watched = tmp_path / "plain", tmp_path / "watched"
-    code = ("import sys; from course_lib.chapters.ch08 import ddp_worker as w; a, b, *rest = sys.argv[1:]; "
-            "w.train(w.parse_args([a, *rest])); print('plain done'); w.main([b, *rest])")
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": "0", "OMP_NUM_THREADS": "1"}
+    code = (
+        "import sys; from course_lib.chapters.ch08 import ddp_worker as w; a, b, *rest = sys.argv[1:]; "
+        "w.train(w.parse_args([a, *rest])); print('plain done'); w.main([b, *rest])"
+    )
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "0",
+        "OMP_NUM_THREADS": "1",
+    }
     plain.mkdir()
-    proc = subprocess.run([sys.executable, "-c", code, str(plain), str(watched), "--backend", "gloo",
-                           "--train-size", "96", "--epochs", "2", "--log-every", "2"],
-                          env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            str(plain),
+            str(watched),
+            "--backend",
+            "gloo",
+            "--train-size",
+            "96",
+            "--epochs",
+            "2",
+            "--log-every",
+            "2",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("plain done\n") and "] done: 6 optimizer steps" in proc.stdout, proc.stdout
     assert sorted(p.name for p in plain.iterdir()) == ["checkpoint.pt"]
@@ -254,14 +327,25 @@ def test_the_instruments_only_watch_train_alone_trains_the_same_parameters(tmp_p
 
 # --------------------------------------------------------------------------- command lines and environment
 
+
 def test_torchrun_command_for_one_machine_and_for_many():
     one = torchrun_command(2, log_dir="/tmp/x")
     assert one[1:3] == ["-m", "torch.distributed.run"] and "--standalone" in one
     assert one[-4:] == ["--log-dir", "/tmp/x", "--redirects", "3"]
     many = torchrun_command("gpu", nnodes=2, rdzv_endpoint="node0:29400", rdzv_id="job")
     assert "--standalone" not in many
-    assert many[3:] == ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400", "--rdzv-id",
-                        "job", "--nproc-per-node", "gpu"]
+    assert many[3:] == [
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "node0:29400",
+        "--rdzv-id",
+        "job",
+        "--nproc-per-node",
+        "gpu",
+    ]
     with pytest.raises(ValueError, match="rdzv_id"):
         torchrun_command(8, nnodes=2, rdzv_endpoint="node0:29400")
 
@@ -273,8 +357,14 @@ def test_the_environment_shares_the_cores_and_marks_every_process(monkeypatch):
 
 
 def test_the_first_failure_comes_from_torchruns_summary_when_no_rank_recorded_one(tmp_path):
-    run = DDPRun(["torchrun"], tmp_path, returncode=1, launcher_log=(
-        "[1]:\n  time      : 2026\n  host      : h\n  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 5)\n"))
+    run = DDPRun(
+        ["torchrun"],
+        tmp_path,
+        returncode=1,
+        launcher_log=(
+            "[1]:\n  time      : 2026\n  host      : h\n  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 5)\n"
+        ),
+    )
     assert L._first_failure(run) == "rank 1 exited with code -9 (signal 9, SIGKILL)"
     (tmp_path / "failed_rank0.json").write_text(json.dumps({"rank": 0, "time": 2.0, "error": "B: later"}))
     (tmp_path / "failed_rank3.json").write_text(json.dumps({"rank": 3, "time": 1.0, "error": "A:\n  first"}))
@@ -282,17 +372,22 @@ def test_the_first_failure_comes_from_torchruns_summary_when_no_rank_recorded_on
 
 
 def test_a_rank_that_crashed_after_done_is_named_as_such_and_the_one_torchrun_stopped_too(tmp_path):
-    summary = ("Failures:\n[1]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : -15 (pid: 7)\n"
-               "Root Cause (first observed failure):\n[0]:\n  rank      : 0 (local_rank: 0)\n"
-               "  exitcode  : -6 (pid: 6)\n")
+    summary = (
+        "Failures:\n[1]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : -15 (pid: 7)\n"
+        "Root Cause (first observed failure):\n[0]:\n  rank      : 0 (local_rank: 0)\n"
+        "  exitcode  : -6 (pid: 6)\n"
+    )
     logs = {r: {"stdout": f"[rank {r}] done: 32 optimizer steps\n", "stderr": ""} for r in (0, 1)}
-    logs[0]["stderr"] = ("terminate called without an active exception\nFatal Python error: Aborted\n\n"
-                         "Extension modules: numpy\n")  # faulthandler's dump follows what the rank said
+    logs[0]["stderr"] = (
+        "terminate called without an active exception\nFatal Python error: Aborted\n\n"
+        "Extension modules: numpy\n"
+    )  # faulthandler's dump follows what the rank said
     message = L._first_failure(DDPRun(["torchrun"], tmp_path, returncode=1, logs=logs, launcher_log=summary))
     assert message.startswith(
         "rank 0 finished its work but crashed while exiting: exit code -6 (signal 6, SIGABRT), last said 'terminate "
         "called without an active exception'; rank 1 was then stopped by torchrun (exit code -15 (signal 15, "
-        "SIGTERM)); its work was done (every rank's: "), message
+        "SIGTERM)); its work was done (every rank's: "
+    ), message
     assert "run the launch again" in message and "tools/stress_ddp.py" in message
     logs[1]["stdout"] = "[rank 1] step 3\n"  # rank 1 had not finished: no claim that the outputs are complete
     message = L._first_failure(DDPRun(["torchrun"], tmp_path, returncode=1, logs=logs, launcher_log=summary))
@@ -300,8 +395,11 @@ def test_a_rank_that_crashed_after_done_is_named_as_such_and_the_one_torchrun_st
 
 
 def test_show_prints_every_rank_with_lines_cut_at_100_characters(tmp_path, capsys):
-    run = DDPRun(["python", "-m", "torch.distributed.run"], tmp_path,
-                 logs={0: {"stdout": "a" * 150 + "\nok", "stderr": ""}, 1: {"stdout": "x\n" * 50, "stderr": "err"}})
+    run = DDPRun(
+        ["python", "-m", "torch.distributed.run"],
+        tmp_path,
+        logs={0: {"stdout": "a" * 150 + "\nok", "stderr": ""}, 1: {"stdout": "x\n" * 50, "stderr": "err"}},
+    )
     run.show(max_lines=10)
     out = capsys.readouterr().out.splitlines()
     assert all(len(line) <= 100 for line in out)
@@ -309,6 +407,7 @@ def test_show_prints_every_rank_with_lines_cut_at_100_characters(tmp_path, capsy
 
 
 # --------------------------------------------------------------------------- the one-process reference
+
 
 def test_sampler_orders_are_distributed_samplers_orders():
     orders = D.sampler_orders(10, 4, 2, seed=3)
@@ -337,7 +436,7 @@ def _emulated_ddp(model, x, y, world, batch, epochs, lr, seed):
         for start in range(0, len(orders[0][epoch]), batch):
             grads = []
             for rank in range(world):
-                idx = orders[rank][epoch][start:start + batch]
+                idx = orders[rank][epoch][start : start + batch]
                 model.zero_grad()
                 F.cross_entropy(model(x[idx]), y[idx]).backward()
                 grads.append([p.grad.clone() for p in model.parameters()])
@@ -378,12 +477,22 @@ def test_adamw_keeps_sixteen_bytes_per_fp32_parameter():
 
 
 def test_the_gpu_reference_is_readable_with_one_gpu_and_with_several():
-    run = {"world_size": 1, "backend": "nccl", "precision": "fp16", "scaler": True, "losses": [2.0, 1.5],
-           "scales_by_rank": [[65536.0, 32768.0]], "steps": 2, "seconds": 1.0}
+    run = {
+        "world_size": 1,
+        "backend": "nccl",
+        "precision": "fp16",
+        "scaler": True,
+        "losses": [2.0, 1.5],
+        "scales_by_rank": [[65536.0, 32768.0]],
+        "steps": 2,
+        "seconds": 1.0,
+    }
     text = format_timing_reference({"nccl_runs": [run], "dp_vs_ddp": []})
     assert "GradScaler on, final scale 32768 (same on all ranks: True)" in text and "not measured" in text
-    rows = [{"mode": m, "gpus": g, "median_ms": t, "q1_ms": t - 1, "q3_ms": t + 1, "images_per_s": 1e3}
-            for m, g, t in (("1 GPU", 1, 10.0), ("DataParallel", 2, 14.0), ("DDP", 2, 11.0))]
+    rows = [
+        {"mode": m, "gpus": g, "median_ms": t, "q1_ms": t - 1, "q3_ms": t + 1, "images_per_s": 1e3}
+        for m, g, t in (("1 GPU", 1, 10.0), ("DataParallel", 2, 14.0), ("DDP", 2, 11.0))
+    ]
     text = format_timing_reference({"nccl_runs": [], "dp_vs_ddp": rows})
     assert "DataParallel" in text and all(len(line) <= 100 for line in text.splitlines())
 

@@ -1,5 +1,6 @@
 """course_lib.chapters.ch05.doctor: each classic mistake is named by a broken loop that makes it, and the
 correct loops of chapters 03-05 (and the course's own Trainer) get no false alarm."""
+
 from __future__ import annotations
 
 import functools
@@ -21,7 +22,7 @@ def fp16():
     return torch.autocast("cpu", dtype=torch.float16)
 
 
-def setup(seed: int = 0, init_scale: float = 2.0 ** 8, n: int = 16):
+def setup(seed: int = 0, init_scale: float = 2.0**8, n: int = 16):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -37,6 +38,7 @@ def codes(train, *objects, accum: int = 1, loss_fn=F.cross_entropy) -> list[str]
 
 
 # --------------------------------------------------------------------------- correct loops
+
 
 def typical(model, opt, scaler, batches):  # chapter 03
     for x, y in batches:
@@ -78,11 +80,12 @@ def accumulated(model, opt, scaler, batches, clip=True, zero_first=False):  # ch
 
 
 def with_trainer(model, opt, scaler, batches):  # the course's one loop (course_lib.train), accumulating
-    trainer = Trainer(model, opt, TrainConfig(precision="fp16", device="cpu", accum_steps=ACCUM, clip_grad_norm=1.0,
-                                              progress=False))
+    trainer = Trainer(
+        model, opt, TrainConfig(precision="fp16", device="cpu", accum_steps=ACCUM, clip_grad_norm=1.0, progress=False)
+    )
     trainer.scaler = scaler
     for i in range(0, len(batches), ACCUM):
-        trainer.train_step(batches[i:i + ACCUM])
+        trainer.train_step(batches[i : i + ACCUM])
 
 
 def two_models(models, opts, scaler, batches):  # chapter 05
@@ -119,11 +122,20 @@ def bf16_alone(model, opt, scaler, batches):
             scaler.update()
 
 
-@pytest.mark.parametrize("train,accum", [(typical, 1), (clipped, 1), (accumulated, ACCUM),
-                                         (functools.partial(accumulated, clip=False, zero_first=True), ACCUM),
-                                         (with_trainer, ACCUM), (penalty, 1)], ids=lambda v: getattr(v, "__name__", ""))
+@pytest.mark.parametrize(
+    "train,accum",
+    [
+        (typical, 1),
+        (clipped, 1),
+        (accumulated, ACCUM),
+        (functools.partial(accumulated, clip=False, zero_first=True), ACCUM),
+        (with_trainer, ACCUM),
+        (penalty, 1),
+    ],
+    ids=lambda v: getattr(v, "__name__", ""),
+)
 def test_correct_single_model_loops_get_no_false_alarm(train, accum):
-    for init_scale in (2.0 ** 8, 2.0 ** 16):  # 2^16 overflows at first: skipped steps are no mistake
+    for init_scale in (2.0**8, 2.0**16):  # 2^16 overflows at first: skipped steps are no mistake
         assert codes(train, *setup(init_scale=init_scale), accum=accum) == []
 
 
@@ -156,12 +168,16 @@ def test_the_doctor_leaves_the_callers_objects_and_rng_alone():
     rng = torch.get_rng_state()
     diagnose(accumulated, model, opt, scaler, batches, loss_fn=F.cross_entropy, accum_steps=ACCUM)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    assert torch.equal(rng, torch.get_rng_state()) and opt.state == {} and scaler.get_scale() == 2.0 ** 8
-    assert torch.autograd.backward.__module__ == "torch.autograd" and nn.utils.clip_grad_norm_.__name__ == \
-        "clip_grad_norm_" and "wrapper" not in repr(F.binary_cross_entropy)
+    assert torch.equal(rng, torch.get_rng_state()) and opt.state == {} and scaler.get_scale() == 2.0**8
+    assert (
+        torch.autograd.backward.__module__ == "torch.autograd"
+        and nn.utils.clip_grad_norm_.__name__ == "clip_grad_norm_"
+        and "wrapper" not in repr(F.binary_cross_entropy)
+    )
 
 
 # --------------------------------------------------------------------------- broken loops, one mistake each
+
 
 def backward_inside(model, opt, scaler, batches):
     for x, y in batches:
@@ -303,20 +319,24 @@ def zero_before_step(model, opt, scaler, batches):
         scaler.update()
 
 
-@pytest.mark.parametrize("train,accum,expected", [
-    (backward_inside, 1, "backward_in_autocast"),
-    (one_region, 1, "step_in_autocast"),
-    (update_every_micro_batch, ACCUM, "update_per_microstep"),
-    (step_every_micro_batch, ACCUM, "step_per_microstep"),
-    (bce_loop, 1, "bce_in_autocast"),
-    (no_zero_grad, ACCUM, "missing_zero_grad"),
-    (zero_every_micro_batch, ACCUM, "zero_grad_in_window"),
-    (not_divided, ACCUM, "loss_not_divided"),
-    (unscaled_backward, 1, "not_scaled"),
-    (direct_step, 1, "step_without_scaler"),
-    (no_autocast, 1, "no_autocast"),
-    (zero_before_step, 1, "empty_step"),
-], ids=lambda v: v if isinstance(v, str) else getattr(v, "__name__", ""))
+@pytest.mark.parametrize(
+    "train,accum,expected",
+    [
+        (backward_inside, 1, "backward_in_autocast"),
+        (one_region, 1, "step_in_autocast"),
+        (update_every_micro_batch, ACCUM, "update_per_microstep"),
+        (step_every_micro_batch, ACCUM, "step_per_microstep"),
+        (bce_loop, 1, "bce_in_autocast"),
+        (no_zero_grad, ACCUM, "missing_zero_grad"),
+        (zero_every_micro_batch, ACCUM, "zero_grad_in_window"),
+        (not_divided, ACCUM, "loss_not_divided"),
+        (unscaled_backward, 1, "not_scaled"),
+        (direct_step, 1, "step_without_scaler"),
+        (no_autocast, 1, "no_autocast"),
+        (zero_before_step, 1, "empty_step"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else getattr(v, "__name__", ""),
+)
 def test_each_mistake_is_named(train, accum, expected):
     found = codes(train, *setup(), accum=accum)
     assert expected in found, found
@@ -357,8 +377,9 @@ def test_update_between_the_optimizers_steps_is_named():
     m0, m1 = article_two_models.two_models(0)
     opts = tuple(torch.optim.SGD(m.parameters(), lr=0.01) for m in (m0, m1))
     batches = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(4)]
-    assert codes(update_between, (m0, m1), opts, torch.amp.GradScaler("cpu"), batches, loss_fn=None) == \
-        ["update_between_steps"]
+    assert codes(update_between, (m0, m1), opts, torch.amp.GradScaler("cpu"), batches, loss_fn=None) == [
+        "update_between_steps"
+    ]
 
 
 def test_a_missing_retain_graph_is_explained():
@@ -389,7 +410,7 @@ def test_chapter_04s_accumulation_step_gets_no_false_alarm():
 
     def loop(model, opt, scaler, batches):
         for i in range(0, len(batches), ACCUM):
-            step(model, opt, scaler, batches[i:i + ACCUM], dtype=torch.float16, clip_grad_norm=1.0)
+            step(model, opt, scaler, batches[i : i + ACCUM], dtype=torch.float16, clip_grad_norm=1.0)
 
     model, opt, scaler, batches = setup()
     batches[-1] = (batches[-1][0][:5], batches[-1][1][:5])  # a short last micro-batch, weighted by its size
@@ -398,6 +419,7 @@ def test_chapter_04s_accumulation_step_gets_no_false_alarm():
 
 
 # --------------------------------------------------------------------------- chapter 09's additions
+
 
 def scheduled(model, opt, scaler, batches, every_step=False):  # chapter 03: the scheduler and skipped steps
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 10))
@@ -415,6 +437,7 @@ def scheduled(model, opt, scaler, batches, every_step=False):  # chapter 03: the
 
 def checkpointing(model, opt, scaler, batches, with_scaler=True):  # chapter 03: the scaler is training state
     import io
+
     typical(model, opt, scaler, batches)
     state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
     torch.save({**state, "scaler": scaler.state_dict()} if with_scaler else state, io.BytesIO())
@@ -464,20 +487,24 @@ def custom_function(model, opt, scaler, batches):
 
 
 def test_the_chapter_09_loops_done_right_get_no_false_alarm():
-    for init_scale in (2.0 ** 8, 2.0 ** 24):  # 2^24 skips its first steps: the scheduler waits for them
+    for init_scale in (2.0**8, 2.0**24):  # 2^24 skips its first steps: the scheduler waits for them
         assert codes(scheduled, *setup(init_scale=init_scale)) == []
     assert codes(checkpointing, *setup()) == []
     model, opt, _, batches = setup()
     assert codes(checkpointing, model, opt, torch.amp.GradScaler("cpu", enabled=False), batches) == []
 
 
-@pytest.mark.parametrize("train,expected,init_scale", [
-    (functools.partial(scheduled, every_step=True), ["scheduler_on_skipped_step"], 2.0 ** 24),
-    (functools.partial(checkpointing, with_scaler=False), ["checkpoint_without_scaler"], 2.0 ** 8),
-    (overflowing_forward, ["nonfinite_loss", "scale_collapsing"], 2.0 ** 8),
-    (gradient_always_inf, ["scale_collapsing"], 2.0 ** 8),
-    (old_spelling, ["deprecated_amp_api"], 2.0 ** 8),
-], ids=lambda v: getattr(v, "__name__", getattr(getattr(v, "func", None), "__name__", "")))
+@pytest.mark.parametrize(
+    "train,expected,init_scale",
+    [
+        (functools.partial(scheduled, every_step=True), ["scheduler_on_skipped_step"], 2.0**24),
+        (functools.partial(checkpointing, with_scaler=False), ["checkpoint_without_scaler"], 2.0**8),
+        (overflowing_forward, ["nonfinite_loss", "scale_collapsing"], 2.0**8),
+        (gradient_always_inf, ["scale_collapsing"], 2.0**8),
+        (old_spelling, ["deprecated_amp_api"], 2.0**8),
+    ],
+    ids=lambda v: getattr(v, "__name__", getattr(getattr(v, "func", None), "__name__", "")),
+)
 def test_each_chapter_09_mistake_is_named(train, expected, init_scale):
     assert codes(train, *setup(init_scale=init_scale)) == expected
 
@@ -498,6 +525,7 @@ def test_a_custom_function_without_custom_fwd_is_explained():
 # --------------------------------------------------------------------------- the AMP examples page
 # https://docs.pytorch.org/docs/stable/notes/amp_examples.html: each pattern as the page writes it (fp16 autocast
 # on the CPU); the typical loop, clipping and accumulation are `typical`, `clipped` and `accumulated` above.
+
 
 def page_penalty(model, opt, scaler, batches, scale_loss=True, unscale=True, divide=False):  # "Gradient penalty"
     for x, y in batches:
@@ -578,36 +606,45 @@ def page_custom_functions(model, opt, scaler, batches):
         scaler.update()
 
 
-PAGE_LOOPS = [(typical, 1, 6), (clipped, 1, 6), (functools.partial(accumulated, clip=False), ACCUM, 8),
-              (page_penalty, 1, 6), (functools.partial(page_penalty, divide=True), 1, 4),
-              (page_custom_functions, 1, 6)]
+PAGE_LOOPS = [
+    (typical, 1, 6),
+    (clipped, 1, 6),
+    (functools.partial(accumulated, clip=False), ACCUM, 8),
+    (page_penalty, 1, 6),
+    (functools.partial(page_penalty, divide=True), 1, 4),
+    (page_custom_functions, 1, 6),
+]
 
 
-@pytest.mark.parametrize("init_scale", [2.0 ** 16, 2.0 ** 24, 2.0 ** 32])
-@pytest.mark.parametrize("train,accum,n", PAGE_LOOPS,
-                         ids=lambda v: getattr(v, "__name__", getattr(getattr(v, "func", None), "__name__", "")))
+@pytest.mark.parametrize("init_scale", [2.0**16, 2.0**24, 2.0**32])
+@pytest.mark.parametrize(
+    "train,accum,n", PAGE_LOOPS, ids=lambda v: getattr(v, "__name__", getattr(getattr(v, "func", None), "__name__", ""))
+)
 def test_every_pattern_of_the_amp_examples_page_gets_no_finding(train, accum, n, init_scale):
     # 2^24 and 2^32 over a few steps: the first steps are skipped while the scale comes down, as GradScaler does
     report = diagnose(train, *setup(init_scale=init_scale, n=n), loss_fn=F.cross_entropy, accum_steps=accum)
     assert report.codes == [], str(report)
 
 
-@pytest.mark.parametrize("init_scale", [2.0 ** 16, 2.0 ** 24])
+@pytest.mark.parametrize("init_scale", [2.0**16, 2.0**24])
 def test_the_pages_multiple_models_losses_and_optimizers_get_no_finding(init_scale):
     models = article_two_models.two_models(0)
     opts = tuple(torch.optim.SGD(m.parameters(), lr=0.01) for m in models)
     batches = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(6)]
-    assert codes(page_two_models, models, opts, torch.amp.GradScaler("cpu", init_scale=init_scale), batches,
-                 loss_fn=None) == []
+    assert (
+        codes(page_two_models, models, opts, torch.amp.GradScaler("cpu", init_scale=init_scale), batches, loss_fn=None)
+        == []
+    )
 
 
 def test_skipped_first_steps_under_a_large_init_scale_are_called_normal_not_a_model_bug():
-    report = diagnose(typical, *setup(init_scale=2.0 ** 24, n=6))
+    report = diagnose(typical, *setup(init_scale=2.0**24, n=6))
     assert report.codes == [] and "normal" in " ".join(report.notes), str(report)
     assert "(6 skipped by the scaler)" in report.summary  # all of them: the scale is still coming down
 
 
 # --------------------------------------------------------------------------- the review's misses and wrong advice
+
 
 @pytest.mark.parametrize("by", [1, 2, 8])
 def test_a_loss_divided_by_the_wrong_count_is_named_with_the_fix(by):
@@ -646,8 +683,7 @@ def test_a_scheduler_stepped_before_the_optimizer_is_named():
     assert report.codes == ["scheduler_before_step"], str(report)
     assert "after scaler.step" in report.findings[0].fix and "skipped" in report.findings[0].fix
     # with skipped steps, the schedule also advanced on them: both are said
-    assert codes(scheduler_first, *setup(init_scale=2.0 ** 24)) == ["scheduler_before_step",
-                                                                     "scheduler_on_skipped_step"]
+    assert codes(scheduler_first, *setup(init_scale=2.0**24)) == ["scheduler_before_step", "scheduler_on_skipped_step"]
 
 
 def test_the_gradient_penalty_from_still_scaled_gradients_is_named():
@@ -726,6 +762,6 @@ def test_a_direct_step_with_scaled_gradients_is_not_blamed_on_a_forward_overflow
     opts = tuple(torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in models)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(16, 16, generator=g), torch.randn(16, 4, generator=g)) for _ in range(4)]
-    report = diagnose(loop, models, opts, torch.amp.GradScaler("cpu", init_scale=2.0 ** 10), batches)
+    report = diagnose(loop, models, opts, torch.amp.GradScaler("cpu", init_scale=2.0**10), batches)
     assert report.codes == ["step_without_scaler", "clip_before_unscale"], str(report)
     assert "inf/NaN" in report.findings[0].seen  # the consequence is said where the cause is

@@ -1,4 +1,5 @@
 """course_lib.tooling.exercises: exercise notebooks generated from the solutions, and kept in sync."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,17 +20,21 @@ def save(nb_or_text: nbformat.NotebookNode | str, path: Path) -> Path:
 
 SOLUTION_CELLS = [
     ("markdown", "intro", "# Title"),
-    ("code", "code1", 'import math\n\ndef f(x):\n    """Doc."""\n    ### BEGIN SOLUTION\n    y = x + 1\n'
-                      '    return y\n    ### END SOLUTION\n\nclass A:\n    def g(self):\n'
-                      '        ### BEGIN SOLUTION\n        return 1\n        ### END SOLUTION\n\ncheck("99.add", f)'),
+    (
+        "code",
+        "code1",
+        'import math\n\ndef f(x):\n    """Doc."""\n    ### BEGIN SOLUTION\n    y = x + 1\n'
+        "    return y\n    ### END SOLUTION\n\nclass A:\n    def g(self):\n"
+        '        ### BEGIN SOLUTION\n        return 1\n        ### END SOLUTION\n\ncheck("99.add", f)',
+    ),
     ("code", "code2", "### BEGIN SOLUTION\nLIMIT = 3\n### END SOLUTION"),
     ("markdown", "answer", "Why?\n\n<!-- BEGIN SOLUTION -->Because\nof this.<!-- END SOLUTION -->\n\nMore."),
 ]
 EXPECTED = {
     "code1": 'import math\n\ndef f(x):\n    """Doc."""\n'
-             '    raise NotImplementedError("Exercise: write your solution here")\n\n'
-             'class A:\n    def g(self):\n        raise NotImplementedError("Exercise: write your solution here")\n\n'
-             'check("99.add", f)',
+    '    raise NotImplementedError("Exercise: write your solution here")\n\n'
+    'class A:\n    def g(self):\n        raise NotImplementedError("Exercise: write your solution here")\n\n'
+    'check("99.add", f)',
     "code2": 'raise NotImplementedError("Exercise: write your solution here")',
     "answer": "Why?\n\n_Your answer here._\n\nMore.",
     "intro": "# Title",
@@ -94,11 +99,14 @@ def test_generate_check_finds_stale_missing_and_orphaned_exercises(tmp_path):
     assert ex.exists() and not orphan.exists()
 
 
-@pytest.mark.parametrize("source", [
-    "### BEGIN SOLUTION\nx = 1",
-    "x = 1\n### END SOLUTION",
-    "### BEGIN SOLUTION\n### BEGIN SOLUTION\nx = 1\n### END SOLUTION\n### END SOLUTION",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "### BEGIN SOLUTION\nx = 1",
+        "x = 1\n### END SOLUTION",
+        "### BEGIN SOLUTION\n### BEGIN SOLUTION\nx = 1\n### END SOLUTION\n### END SOLUTION",
+    ],
+)
 def test_generate_rejects_unbalanced_code_markers(tmp_path, source):
     make_solution(tmp_path / "sol" / "99_bad.ipynb", [("code", "the-cell", source)])
     with pytest.raises(ValueError, match=r"99_bad\.ipynb cell 0 \(id the-cell\)"):
@@ -106,10 +114,15 @@ def test_generate_rejects_unbalanced_code_markers(tmp_path, source):
     assert not (tmp_path / "ex").exists()
 
 
-@pytest.mark.parametrize("source", ["<!-- BEGIN SOLUTION -->a", "a<!-- END SOLUTION -->",
-                                    "<!-- BEGIN SOLUTION --><!-- BEGIN SOLUTION -->a"
-                                    "<!-- END SOLUTION --><!-- END SOLUTION -->",
-                                    "### BEGIN SOLUTION\nanswer\n### END SOLUTION"])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "<!-- BEGIN SOLUTION -->a",
+        "a<!-- END SOLUTION -->",
+        "<!-- BEGIN SOLUTION --><!-- BEGIN SOLUTION -->a<!-- END SOLUTION --><!-- END SOLUTION -->",
+        "### BEGIN SOLUTION\nanswer\n### END SOLUTION",
+    ],
+)
 def test_generate_rejects_bad_markdown_markers(tmp_path, source):
     make_solution(tmp_path / "sol" / "99_bad.ipynb", [("markdown", "md", source)])
     with pytest.raises(ValueError, match=r"99_bad\.ipynb cell 0 \(id md\)"):

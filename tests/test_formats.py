@@ -1,4 +1,5 @@
 """course_lib.chapters.ch01.formats (chapter 01) against torch's own conversions, and the chapter 01 checks."""
+
 import math
 import random
 import struct
@@ -24,24 +25,28 @@ def f32_bits(x: float) -> int:
 
 # --------------------------------------------------------------------------- bit patterns
 
-@pytest.mark.parametrize("x, fmt, bits, kind", [
-    (1.0, "fp16", "0011110000000000", "normal"),
-    (-2.0, "fp16", "1100000000000000", "normal"),
-    (65504.0, "fp16", "0111101111111111", "normal"),
-    (2.0**-24, "fp16", "0000000000000001", "subnormal"),
-    (2.0**-14, "fp16", "0000010000000000", "normal"),
-    (-0.0, "fp16", "1000000000000000", "zero"),
-    (math.inf, "fp16", "0111110000000000", "inf"),
-    (-math.inf, "fp16", "1111110000000000", "inf"),
-    (1.0, "bf16", "0011111110000000", "normal"),
-    (2.0**-133, "bf16", "0000000000000001", "subnormal"),
-    (1.0, "fp32", format(0x3F800000, "032b"), "normal"),
-    (2.0**-149, "fp32", "0" * 31 + "1", "subnormal"),
-    (448.0, "fp8_e4m3fn", "01111110", "normal"),
-    (2.0**-9, "fp8_e4m3fn", "00000001", "subnormal"),
-    (57344.0, "fp8_e5m2", "01111011", "normal"),
-    (math.inf, "fp8_e5m2", "01111100", "inf"),
-])
+
+@pytest.mark.parametrize(
+    "x, fmt, bits, kind",
+    [
+        (1.0, "fp16", "0011110000000000", "normal"),
+        (-2.0, "fp16", "1100000000000000", "normal"),
+        (65504.0, "fp16", "0111101111111111", "normal"),
+        (2.0**-24, "fp16", "0000000000000001", "subnormal"),
+        (2.0**-14, "fp16", "0000010000000000", "normal"),
+        (-0.0, "fp16", "1000000000000000", "zero"),
+        (math.inf, "fp16", "0111110000000000", "inf"),
+        (-math.inf, "fp16", "1111110000000000", "inf"),
+        (1.0, "bf16", "0011111110000000", "normal"),
+        (2.0**-133, "bf16", "0000000000000001", "subnormal"),
+        (1.0, "fp32", format(0x3F800000, "032b"), "normal"),
+        (2.0**-149, "fp32", "0" * 31 + "1", "subnormal"),
+        (448.0, "fp8_e4m3fn", "01111110", "normal"),
+        (2.0**-9, "fp8_e4m3fn", "00000001", "subnormal"),
+        (57344.0, "fp8_e5m2", "01111011", "normal"),
+        (math.inf, "fp8_e5m2", "01111100", "inf"),
+    ],
+)
 def test_known_values_have_known_bit_patterns(x, fmt, bits, kind):
     d = F.decompose(x, fmt)
     assert (d.bits, d.kind) == (bits, kind)
@@ -65,20 +70,33 @@ def test_fields_and_exponent_of_a_normal_and_a_subnormal():
     assert (s.kind, s.exponent_field, s.exponent, s.mantissa, s.significand) == ("subnormal", 0, -14, 3, 3 / 1024)
 
 
-@pytest.mark.parametrize("x, want", [
-    (1 + 2.0**-8, 1.0),                   # tie between 1 (even) and 1 + 2^-7 (odd): down
-    (1 + 3 * 2.0**-8, 1 + 2.0**-6),       # tie between 1 + 2^-7 (odd) and 1 + 2^-6 (even): up
-    (1 + 2.0**-8 + 2.0**-20, 1 + 2.0**-7),  # just above the tie: up
-    (1 + 2.0**-8 - 2.0**-20, 1.0),        # just below the tie: down
-    (-(1 + 3 * 2.0**-8), -(1 + 2.0**-6)),  # symmetric for negatives
-    ((2 - 2.0**-8) * 2.0**127, math.inf),  # the tie above bf16's max (odd mantissa) goes to inf
-])
+@pytest.mark.parametrize(
+    "x, want",
+    [
+        (1 + 2.0**-8, 1.0),  # tie between 1 (even) and 1 + 2^-7 (odd): down
+        (1 + 3 * 2.0**-8, 1 + 2.0**-6),  # tie between 1 + 2^-7 (odd) and 1 + 2^-6 (even): up
+        (1 + 2.0**-8 + 2.0**-20, 1 + 2.0**-7),  # just above the tie: up
+        (1 + 2.0**-8 - 2.0**-20, 1.0),  # just below the tie: down
+        (-(1 + 3 * 2.0**-8), -(1 + 2.0**-6)),  # symmetric for negatives
+        ((2 - 2.0**-8) * 2.0**127, math.inf),  # the tie above bf16's max (odd mantissa) goes to inf
+    ],
+)
 def test_bf16_rounds_to_nearest_ties_to_even(x, want):
     assert F.decompose(x, "bf16").value == want
 
 
-@pytest.mark.parametrize("x, want", [(2049.0, 2048.0), (2051.0, 2052.0), (65519.0, 65504.0), (65520.0, math.inf),
-                                     (2.0**-25, 0.0), (2.0**-25 * (1 + 2.0**-10), 2.0**-24), (3 * 2.0**-26, 2.0**-24)])
+@pytest.mark.parametrize(
+    "x, want",
+    [
+        (2049.0, 2048.0),
+        (2051.0, 2052.0),
+        (65519.0, 65504.0),
+        (65520.0, math.inf),
+        (2.0**-25, 0.0),
+        (2.0**-25 * (1 + 2.0**-10), 2.0**-24),
+        (3 * 2.0**-26, 2.0**-24),
+    ],
+)
 def test_fp16_rounding_at_ties_overflow_and_underflow(x, want):
     assert F.decompose(x, "fp16").value == want
 
@@ -98,7 +116,7 @@ def test_subnormal_mantissa_bits_are_worth_2_to_the_minus_15_to_24_and_half_the_
 def test_random_patterns_round_trip_and_fields_rebuild_the_value(fmt):
     f = F.get_format(fmt)
     rng = random.Random(0)
-    patterns = range(2 ** f.bits) if f.bits == 8 else [rng.randrange(2 ** f.bits) for _ in range(3000)]
+    patterns = range(2**f.bits) if f.bits == 8 else [rng.randrange(2**f.bits) for _ in range(3000)]
     for p in patterns:
         d = F.decode(p, fmt)
         if d.kind == "nan":
@@ -129,13 +147,17 @@ def test_all_values_lists_every_pattern_in_order():
 
 # --------------------------------------------------------------------------- formats and ranges
 
-@pytest.mark.parametrize("fmt, max_, normal, subnormal, eps", [
-    ("fp32", 3.4028234663852886e38, 2.0**-126, 2.0**-149, 2.0**-23),
-    ("fp16", 65504.0, 2.0**-14, 2.0**-24, 2.0**-10),
-    ("bf16", 3.3895313892515355e38, 2.0**-126, 2.0**-133, 2.0**-7),
-    ("fp8_e4m3fn", 448.0, 2.0**-6, 2.0**-9, 2.0**-3),
-    ("fp8_e5m2", 57344.0, 2.0**-14, 2.0**-16, 2.0**-2),
-])
+
+@pytest.mark.parametrize(
+    "fmt, max_, normal, subnormal, eps",
+    [
+        ("fp32", 3.4028234663852886e38, 2.0**-126, 2.0**-149, 2.0**-23),
+        ("fp16", 65504.0, 2.0**-14, 2.0**-24, 2.0**-10),
+        ("bf16", 3.3895313892515355e38, 2.0**-126, 2.0**-133, 2.0**-7),
+        ("fp8_e4m3fn", 448.0, 2.0**-6, 2.0**-9, 2.0**-3),
+        ("fp8_e5m2", 57344.0, 2.0**-14, 2.0**-16, 2.0**-2),
+    ],
+)
 def test_limits_table_has_the_exact_limits_and_agrees_with_the_layout(fmt, max_, normal, subnormal, eps):
     row = next(r for r in FL.limits_table() if r["format"] == fmt)
     assert (row["max"], row["smallest_normal"], row["smallest_subnormal"], row["eps"]) == (max_, normal, subnormal, eps)
@@ -153,8 +175,16 @@ def test_tf32_is_described_but_is_not_a_storage_dtype():
     assert "tf32" in FL.format_limits_table() and "n/a" in FL.format_limits_table()
 
 
-@pytest.mark.parametrize("name, want", [("half", "fp16"), (torch.bfloat16, "bf16"), ("e4m3", "fp8_e4m3fn"),
-                                        ("float8_e5m2", "fp8_e5m2"), ("torch.float32", "fp32")])
+@pytest.mark.parametrize(
+    "name, want",
+    [
+        ("half", "fp16"),
+        (torch.bfloat16, "bf16"),
+        ("e4m3", "fp8_e4m3fn"),
+        ("float8_e5m2", "fp8_e5m2"),
+        ("torch.float32", "fp32"),
+    ],
+)
 def test_formats_are_found_by_alias_and_by_dtype(name, want):
     assert F.get_format(name).name == want
 
@@ -166,10 +196,20 @@ def test_unknown_format_names_the_known_ones():
 
 # --------------------------------------------------------------------------- spacing and fate
 
-@pytest.mark.parametrize("x, fmt, gap", [
-    (1.0, "fp16", 2.0**-10), (2048.0, "fp16", 2.0), (65504.0, "fp16", 32.0), (1e-7, "fp16", 2.0**-24),
-    (1.0, "bf16", 2.0**-7), (1.0, "fp8_e4m3fn", 0.125), (448.0, "fp8_e4m3fn", 32.0), (1.0, "fp8_e5m2", 0.25),
-])
+
+@pytest.mark.parametrize(
+    "x, fmt, gap",
+    [
+        (1.0, "fp16", 2.0**-10),
+        (2048.0, "fp16", 2.0),
+        (65504.0, "fp16", 32.0),
+        (1e-7, "fp16", 2.0**-24),
+        (1.0, "bf16", 2.0**-7),
+        (1.0, "fp8_e4m3fn", 0.125),
+        (448.0, "fp8_e4m3fn", 32.0),
+        (1.0, "fp8_e5m2", 0.25),
+    ],
+)
 def test_spacing_is_one_ulp(x, fmt, gap):
     assert FL.spacing(x, fmt).item() == gap
 
@@ -184,7 +224,7 @@ def test_spacing_matches_torch_nextafter(fmt):
     dt = F.get_format(fmt).dtype
     x = (torch.rand(2000, generator=torch.Generator().manual_seed(0)) * 2 - 1) * 1e4
     v = x.to(dt).abs()
-    want = (torch.nextafter(v, torch.full_like(v, math.inf)).double() - v.double())
+    want = torch.nextafter(v, torch.full_like(v, math.inf)).double() - v.double()
     assert torch.equal(FL.spacing(x, fmt), want)
 
 
@@ -192,8 +232,14 @@ def _fp32_values(fmt: str, seed: int) -> list[float]:
     f = F.get_format(fmt)
     rng = random.Random(seed)
     xs = [float(np.float32(2.0 ** rng.uniform(-149, 128))) for _ in range(3000)]
-    for a in [f.max, FL.overflow_threshold(f), f.smallest_normal, f.smallest_normal - f.smallest_subnormal / 2,
-              f.smallest_subnormal, f.smallest_subnormal / 2]:
+    for a in [
+        f.max,
+        FL.overflow_threshold(f),
+        f.smallest_normal,
+        f.smallest_normal - f.smallest_subnormal / 2,
+        f.smallest_subnormal,
+        f.smallest_subnormal / 2,
+    ]:
         v = np.float32(a)
         xs += [float(v), float(np.nextafter(v, np.float32(0))), float(np.nextafter(v, np.float32(np.inf)))]
     return [x for x in xs if x != 0 and math.isfinite(x)]
@@ -204,8 +250,15 @@ def test_fate_agrees_with_torch_across_the_range_and_at_every_threshold(fmt):
     f = F.get_format(fmt)
     for x in _fp32_values(fmt, seed=2):
         r = float(torch.tensor([x]).to(f.dtype).double()[0])
-        want = "overflow" if math.isinf(r) else "underflow" if r == 0 else \
-               "subnormal" if abs(r) < f.smallest_normal else "normal"
+        want = (
+            "overflow"
+            if math.isinf(r)
+            else "underflow"
+            if r == 0
+            else "subnormal"
+            if abs(r) < f.smallest_normal
+            else "normal"
+        )
         assert FL.fate(x, fmt) == want == FL.fate(-x, fmt), x
 
 
@@ -291,6 +344,7 @@ def test_fates_judges_e4m3fn_out_of_range_on_the_float32_torch_converts():
 
 
 # --------------------------------------------------------------------------- accumulation and matmul
+
 
 def test_naive_sums_stall_where_the_increment_is_below_half_the_gap():
     rows = {(r["format"], r["how"]): r for r in FL.sum_experiment(1e-4, 10_000)}

@@ -4,6 +4,7 @@
 a contributor changing one chapter runs this instead (conftest.py selects it with `--chapter NN` and
 leaves it out otherwise).
 """
+
 from __future__ import annotations
 
 import json

@@ -8,6 +8,7 @@ test can tell. Then: every row is the fair grade, nothing outside the sandboxes 
 is left, and the class view is written. tests/test_grading_inline.py shows that the inline check()
 gives every notebook of the class the same grade.
 """
+
 from __future__ import annotations
 
 import csv
@@ -85,16 +86,47 @@ def grader_env(course: Path, home: Path) -> dict[str, str]:
     kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
     temp = home.parent / "grader-tmp"  # the run's workspace and every sandbox: found by grading_processes
     temp.mkdir(exist_ok=True)
-    return {**os.environ, "HOME": str(home), "TMPDIR": str(temp), "PYTHONPATH": os.pathsep.join([str(course), *kept]),
-            **fixture_checks(course)}
+    return {
+        **os.environ,
+        "HOME": str(home),
+        "TMPDIR": str(temp),
+        "PYTHONPATH": os.pathsep.join([str(course), *kept]),
+        **fixture_checks(course),
+    }
 
 
-def grade(course: Path, submissions: Path, out: Path, home: Path, *extra: str,
-          timeout: float = 900, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+def grade(
+    course: Path,
+    submissions: Path,
+    out: Path,
+    home: Path,
+    *extra: str,
+    timeout: float = 900,
+    env_extra: dict | None = None,
+) -> subprocess.CompletedProcess:
     env = {**grader_env(course, home), **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "course_lib.tooling.grader", str(submissions), "--out", str(out),
-                           "--cell-timeout", "15", "--total-timeout", "300", "--jobs", "2", *extra],
-                          cwd=course, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "course_lib.tooling.grader",
+            str(submissions),
+            "--out",
+            str(out),
+            "--cell-timeout",
+            "15",
+            "--total-timeout",
+            "300",
+            "--jobs",
+            "2",
+            *extra,
+        ],
+        cwd=course,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def by_student(out: Path) -> dict[str, dict[str, dict]]:
@@ -160,8 +192,11 @@ def graded(tmp_path_factory) -> dict:
     marker, listener = tmp / "daemon-was-here", Listener()
     entries = {**HONEST, **HABITS, **FORGERIES, **hostile(marker, listener.port, course, subs, out)}
     write_class(entries, subs)
-    odd = {"untouched": exercise_text(FIXTURE), "unreadable": "{not json",
-           "lies_in_metadata": notebook([IMPORT, GOOD_ADD, GOOD_CLIP], {"amp_course": {"exercise": "00"}})}
+    odd = {
+        "untouched": exercise_text(FIXTURE),
+        "unreadable": "{not json",
+        "lies_in_metadata": notebook([IMPORT, GOOD_ADD, GOOD_CLIP], {"amp_course": {"exercise": "00"}}),
+    }
     for student, text in odd.items():
         (subs / student).mkdir()
         (subs / student / "99_fixture.ipynb").write_text(text)
@@ -181,9 +216,19 @@ def graded(tmp_path_factory) -> dict:
     time.sleep(5)  # a daemon would write its marker 4 s after its task ran
     listener.stop = True
     assert (out / "gradebook.json").exists(), f"the grader wrote no gradebook:\n{proc.stdout}\n{proc.stderr}"
-    return {"proc": proc, "table": by_student(out), "out": out, "course": course, "home": home, "entries": entries,
-            "before": before, "marker": marker, "listener": listener, "seconds": seconds, "submissions": len(
-                list(subs.rglob("*.ipynb")))}
+    return {
+        "proc": proc,
+        "table": by_student(out),
+        "out": out,
+        "course": course,
+        "home": home,
+        "entries": entries,
+        "before": before,
+        "marker": marker,
+        "listener": listener,
+        "seconds": seconds,
+        "submissions": len(list(subs.rglob("*.ipynb"))),
+    }
 
 
 @needs_namespaces
@@ -198,7 +243,8 @@ def test_the_run_finishes_and_grades_every_student(graded):
 @pytest.mark.parametrize("group", ["HONEST", "HABITS", "FORGERIES", "hostile"])
 def test_every_notebook_of_the_class_gets_its_fair_grade(graded, group):
     entries = {"HONEST": HONEST, "HABITS": HABITS, "FORGERIES": FORGERIES}.get(group) or {
-        k: e for k, e in graded["entries"].items() if k not in {**HONEST, **HABITS, **FORGERIES}}
+        k: e for k, e in graded["entries"].items() if k not in {**HONEST, **HABITS, **FORGERIES}
+    }
     wrong = []
     for (student, task), want in expected_rows(entries).items():
         row = graded["table"][student].get(task)
@@ -283,8 +329,10 @@ def test_the_file_name_is_the_slot(graded):
     assert len(counted) == 1 and sum(r["points"] for r in twice) == 3
     assert all("is graded" in r["message"] for r in twice if r["status"] == "duplicate")
     assert t["no_chapter"][""]["status"] == "not graded" and "NN_" in t["no_chapter"][""]["message"]
-    assert t["unreadable"]["99.add"]["status"] == "not graded" and "not a readable notebook" in \
-        t["unreadable"]["99.add"]["message"]
+    assert (
+        t["unreadable"]["99.add"]["status"] == "not graded"
+        and "not a readable notebook" in t["unreadable"]["99.add"]["message"]
+    )
 
 
 @needs_namespaces
@@ -292,14 +340,17 @@ def test_csv_and_json_gradebooks_agree(graded):
     with open(graded["out"] / "gradebook.csv", newline="") as f:
         csv_rows = list(csv.DictReader(f))
     json_rows = json.loads((graded["out"] / "gradebook.json").read_text())
-    assert [(r["student"], r["exercise"], int(r["points"]), r["notes"]) for r in csv_rows] == \
-        [(r["student"], r["exercise"], r["points"], r["notes"]) for r in json_rows]
+    assert [(r["student"], r["exercise"], int(r["points"]), r["notes"]) for r in csv_rows] == [
+        (r["student"], r["exercise"], r["points"], r["notes"]) for r in json_rows
+    ]
 
 
 # --------------------------------------------------------------------------- resuming
 
-SLOW_CLIP = "import time\n\ndef wait():\n    time.sleep(60)\n    return 3.0\n\nLIMIT = wait()\n\n" \
-            "def clip(x):\n    return max(-LIMIT, min(LIMIT, x))"
+SLOW_CLIP = (
+    "import time\n\ndef wait():\n    time.sleep(60)\n    return 3.0\n\nLIMIT = wait()\n\n"
+    "def clip(x):\n    return max(-LIMIT, min(LIMIT, x))"
+)
 
 
 def test_a_rerun_resumes_and_a_killed_grader_loses_only_the_submission_in_flight(tmp_path):
@@ -310,14 +361,31 @@ def test_a_rerun_resumes_and_a_killed_grader_loses_only_the_submission_in_flight
         (subs / student).mkdir(parents=True)
         (subs / student / "99_fixture.ipynb").write_text(notebook(cells))
     env = grader_env(course, home)
-    proc = subprocess.Popen([sys.executable, "-m", "course_lib.tooling.grader", str(subs), "--out", str(out),
-                             "--jobs", "2", "--cell-timeout", "120"], cwd=course, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "course_lib.tooling.grader",
+            str(subs),
+            "--out",
+            str(out),
+            "--jobs",
+            "2",
+            "--cell-timeout",
+            "120",
+        ],
+        cwd=course,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     journal = out / "gradebook.jsonl"
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not ('"done", "submission": "a_fast' in
-                                               (text := journal.read_text() if journal.exists() else "")
-                                               and "b_slow" in text):
+    while time.monotonic() < deadline and not (
+        '"done", "submission": "a_fast' in (text := journal.read_text() if journal.exists() else "")
+        and "b_slow" in text
+    ):
         time.sleep(0.5)
     time.sleep(1)  # b_slow's clip is in flight, asleep while its statements load
     os.killpg(proc.pid, signal.SIGKILL)
@@ -335,6 +403,7 @@ def test_a_rerun_resumes_and_a_killed_grader_loses_only_the_submission_in_flight
 
 
 # --------------------------------------------------------------------------- without namespaces
+
 
 def test_without_namespaces_the_grader_warns_kills_every_process_and_detects_a_changed_checkout(tmp_path):
     course = course_copy(tmp_path / "course")
@@ -359,6 +428,7 @@ def test_without_namespaces_the_grader_warns_kills_every_process_and_detects_a_c
     second = grade(course, subs, out, home, "--isolation", "session", "--jobs", "1")
     assert second.returncode == 2 and "the course's files changed while a_tamper" in second.stderr
     table = by_student(out)
-    assert all(r["points"] == 0 and "changed the course's own files" in r["message"]
-               for r in table["a_tamper"].values())
+    assert all(
+        r["points"] == 0 and "changed the course's own files" in r["message"] for r in table["a_tamper"].values()
+    )
     assert not [s for s in table if s.startswith("z_after")]

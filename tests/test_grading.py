@@ -6,6 +6,7 @@ process), judge (the judge's process); between run and judge every answer become
 crosses JSON. Inline, check() reads the notebook's code from IPython's history and judges it exactly
 as the batch grader does (tests/test_grader.py compares the two on a whole class).
 """
+
 from __future__ import annotations
 
 import json
@@ -79,6 +80,7 @@ class FloatThatLies(float):
 
 # --------------------------------------------------------------------------- plain data
 
+
 def test_numpy_and_torch_scalars_become_python_numbers():
     assert to_plain(np.float32(1.5)) == 1.5 and type(to_plain(np.float32(1.5))) is float
     assert type(to_plain(np.int64(7))) is int and type(to_plain(np.bool_(True))) is bool
@@ -110,6 +112,7 @@ def test_an_integer_too_long_to_send_is_said_to_be_so():
 
 # --------------------------------------------------------------------------- kernel side, grader side
 
+
 def test_respond_reports_what_happened_and_judge_words_it_for_a_student():
     c = get_check("98.double")
     cases = [4, 5]
@@ -117,8 +120,10 @@ def test_respond_reports_what_happened_and_judge_words_it_for_a_student():
     assert judge_response(c, cases, {"missing": "double"})[0] == "not attempted"
     raised = respond(None, [lambda x: 1 / 0 if x == 5 else 2 * x], cases)
     assert raised == {"raised": "ZeroDivisionError: division by zero", "at": 1, "results": [8]}
-    assert judge_response(c, cases, raised) == ("failed", "double raised ZeroDivisionError: division by zero "
-                                                          "on double(5)")
+    assert judge_response(c, cases, raised) == (
+        "failed",
+        "double raised ZeroDivisionError: division by zero on double(5)",
+    )
     lying = respond(None, [lambda x: LiesAboutEquality()], cases)
     status, message = judge_response(c, cases, json.loads(json.dumps(lying)))
     assert status == "failed" and "LiesAboutEquality object" in message
@@ -130,6 +135,7 @@ def test_respond_reports_what_happened_and_judge_words_it_for_a_student():
 def test_a_torch_error_that_is_a_not_implemented_error_is_not_mistaken_for_the_stub():
     def uses_missing_kernel(x):
         raise NotImplementedError("Could not run 'aten::foo' with arguments from the 'Meta' backend")
+
     response = respond(None, [uses_missing_kernel], [1])
     assert "raised" in response and "aten::foo" in response["raised"]
 
@@ -137,14 +143,17 @@ def test_a_torch_error_that_is_a_not_implemented_error_is_not_mistaken_for_the_s
 def test_a_forbidden_module_is_absent_from_the_task_process_and_named():
     """What a task forbids cannot be imported where it is judged, however the import is spelled; the
     check's own modules (the probe's torch) are imported before the learner's code and stay usable."""
-    for source in ("import torch\ndef f(x):\n    return torch.tensor(x).mul(2).item()",
-                   "def f(x):\n    return __import__('to' + 'rch').tensor(x).mul(2).item()"):
+    for source in (
+        "import torch\ndef f(x):\n    return torch.tensor(x).mul(2).item()",
+        "def f(x):\n    return __import__('to' + 'rch').tensor(x).mul(2).item()",
+    ):
         status, message, _, _ = grading.judge_cells("98.no_torch", [source])
         assert status == "failed" and "torch" in message and "use plain Python" in message, message
     assert grading.judge_cells("98.no_torch", ["def f(x):\n    return 2 * x"])[:2] == ("passed", "passed")
 
 
 # --------------------------------------------------------------------------- inline check()
+
 
 class Shell:
     """Enough of IPython's shell for check(): the history of the cells a kernel ran, as typed."""
@@ -165,6 +174,7 @@ def notebook(monkeypatch):
 
     def ran(*cells: str) -> None:
         monkeypatch.setattr(builtins, "get_ipython", lambda: Shell(list(cells)), raising=False)
+
     return ran
 
 
@@ -177,8 +187,10 @@ def test_check_prints_one_line_on_a_pass_and_echoes_nothing(capsys, notebook):
 def test_inline_the_notebooks_code_is_judged_not_the_object_passed(capsys, notebook):
     """As the grader judges it: the statements `add` needs, in a process of its own, judged by a fresh
     process; a cell that patches the judging code, in the notebook or in this kernel, changes nothing."""
-    notebook("def add(a, b):\n    return a + b + 1",
-             "import course_lib.tooling.grading as g\ng.judge_cells = lambda *a, **k: ('passed', 'passed', [], None)")
+    notebook(
+        "def add(a, b):\n    return a + b + 1",
+        "import course_lib.tooling.grading as g\ng.judge_cells = lambda *a, **k: ('passed', 'passed', [], None)",
+    )
     grading.judge_cells, real = (lambda *a, **k: ("passed", "passed", [], None)), grading.judge_cells
     try:
         check("99.add", lambda a, b: a + b)
@@ -206,6 +218,7 @@ def test_a_long_message_wraps_within_100_characters_between_words(capsys):
 
     def raises(x):
         raise ValueError(words)
+
     check("98.double", raises)
     out = capsys.readouterr().out.splitlines()
     assert len(out) > 2 and all(len(line) <= 100 for line in out)
@@ -235,6 +248,7 @@ def test_check_stops_an_endless_loop_at_the_time_limit(capsys):
     def spin(x):
         while True:
             pass
+
     check("98.double", spin)
     assert "took longer than 3 s" in capsys.readouterr().out
 
@@ -256,6 +270,7 @@ def test_register_rejects_malformed_checks():
 
 def test_check_modules_import_cleanly():
     import course_lib.tooling.checks as checks
+
     checks.load()  # every chapter
     assert checks.errors == {}
     assert {c.name.split(".")[0] for c in registered().values()} >= {"00", "01", "02"}
@@ -264,14 +279,19 @@ def test_check_modules_import_cleanly():
 def test_no_course_check_runs_code_of_its_own_in_the_task_process():
     """No sandbox holds a check module: a course check's task side is its probe alone."""
     from course_lib.tooling import checks
+
     checks.load()
-    own = [c.name for c in registered().values()
-           if type(c).__module__.startswith("course_lib.tooling.checks") and type(c).run is not Check.run]
+    own = [
+        c.name
+        for c in registered().values()
+        if type(c).__module__.startswith("course_lib.tooling.checks") and type(c).run is not Check.run
+    ]
     assert not own, f"these checks override run(); move it to course_lib/tooling/probes/chNN.py: {own}"
 
 
 class Secret(Check):
     """A check whose probe asks the grader: the kernel sees `public`, the host sees the whole case."""
+
     name, args, points = "98.secret", ("f",), 1
 
     def cases(self, rng: random.Random) -> list:
@@ -313,12 +333,22 @@ def test_in_a_real_kernel_check_reads_the_cells_run_so_far_and_judges_them_as_th
     from nbclient import NotebookClient
 
     fixtures = ROOT / "tests" / "fixtures"
-    cells = [IMPORT, "!echo habit", "def add(a, b):\n    return a - b",
-             "import course_lib.tooling.grading as g\ng.judge_cells = lambda *a, **k: ('passed', 'passed', [], None)",
-             'check("99.add", add)', "def add(a, b):\n    return a + b", 'check("99.add", add)']
+    cells = [
+        IMPORT,
+        "!echo habit",
+        "def add(a, b):\n    return a - b",
+        "import course_lib.tooling.grading as g\ng.judge_cells = lambda *a, **k: ('passed', 'passed', [], None)",
+        'check("99.add", add)',
+        "def add(a, b):\n    return a + b",
+        'check("99.add", add)',
+    ]
     nb = nbformat.reads(make_notebook(cells), as_version=4)
-    env = {**os.environ, "COURSE_EXTRA_CHECKS": str(fixtures / "checks_ch99.py"),
-           "COURSE_EXTRA_PROBES": str(fixtures / "probes_ch99.py"), "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "COURSE_EXTRA_CHECKS": str(fixtures / "checks_ch99.py"),
+        "COURSE_EXTRA_PROBES": str(fixtures / "probes_ch99.py"),
+        "PYTHONPATH": str(ROOT),
+    }
     env.pop("AMP_COURSE_GRADING", None)
     client = NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
     client.km = client.create_kernel_manager()

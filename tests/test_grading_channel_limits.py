@@ -10,6 +10,7 @@ notebook becomes that notebook's rows, not the end of the run.
 These tests drive the wire over a socket pair, with a stand-in for the task process (fast); the
 class in tests/test_grader.py sends the same floods from real task processes, end to end.
 """
+
 from __future__ import annotations
 
 import json
@@ -264,8 +265,9 @@ def flood(char: str, seconds: float, procs: list):
 
     def behave(nonce: str, sock: socket.socket) -> None:
         fd = sock.fileno()
-        proc = subprocess.Popen([sys.executable, "-c", FLOOD, str(fd), char, str(seconds)], pass_fds=[fd],
-                                stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", FLOOD, str(fd), char, str(seconds)], pass_fds=[fd], stderr=subprocess.DEVNULL
+        )
         procs.append(proc)
         proc.wait()
 

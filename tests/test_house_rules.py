@@ -3,8 +3,8 @@
 tests/test_structure.py holds the layout (rooms, budgets, arrows, back-links); this file holds
 the rules a reviewer used to keep by reading: one precision -> dtype map, tables through
 `course_lib.tables.table`, no verdict computed in a cell about a result the prose can state,
-and maps (course_lib/README.md, the chapter indexes, tooling's module list, the README's
-Layout block) that say what is there. Each rule has a test that plants a violation and shows the
+no code cell over 40 lines, and maps (course_lib/README.md, the chapter indexes, tooling's module
+list, the README's Layout block) that say what is there. Each rule has a test that plants a violation and shows the
 check catches it. tools/ is outside these rules for now: its recorder moves into the chapters.
 """
 
@@ -253,6 +253,46 @@ def test_the_verdict_check_catches_a_verdict_and_lets_labels_pass():
         "'the same' if a == b else 'different'",
         "'within' if d <= TOLERANCE else 'OUTSIDE'",
     ]
+
+
+# --------------------------------------------------------------------------- cells short enough to read
+
+# docs/style.md: a cell longer than about 25 lines is usually two ideas; past 40 it is always too
+# long. The machinery moves into the chapter's home and the lesson stays in the cell (chapter 08's
+# launcher: the lesson whole, the instruments outside); a table's cases are rows of data.
+CELL_LINES = 40
+
+
+def long_cells(path: Path) -> list[str]:
+    """Every code cell of a notebook whose source has more than CELL_LINES lines, blank ones counted."""
+    found = []
+    for i, cell in code_cells(path):
+        lines = len(cell.source.splitlines())
+        if lines > CELL_LINES:
+            found.append(f"cell {i} ({cell.get('id', 'no id')}): {lines} lines")
+    return found
+
+
+@pytest.mark.parametrize("path", CHAPTER_NOTEBOOKS, ids=rel)
+def test_no_code_cell_is_over_40_lines(path):
+    found = long_cells(path)
+    assert not found, (
+        f"{rel(path)} has code cells over {CELL_LINES} lines: move the machinery into the chapter's "
+        f"home and keep the lesson in the cell (docs/style.md): {found}"
+    )
+
+
+def test_the_cell_length_check_catches_a_long_cell(tmp_path):
+    planted = nbformat.v4.new_notebook()
+    planted.cells = [
+        nbformat.v4.new_markdown_cell("\n".join(["prose"] * 60)),  # markdown: not a code cell
+        nbformat.v4.new_code_cell("\n".join(f"x{k} = {k}" for k in range(CELL_LINES))),  # at the limit
+        nbformat.v4.new_code_cell("\n".join(f"x{k} = {k}" for k in range(CELL_LINES + 1))),  # one over
+        nbformat.v4.new_code_cell("\n" * (CELL_LINES + 5) + "x = 1"),  # blank lines count too
+    ]
+    path = tmp_path / "99_planted.ipynb"
+    nbformat.write(planted, path)
+    assert [f.split(" (")[0] for f in long_cells(path)] == ["cell 2", "cell 3"]
 
 
 # --------------------------------------------------------------------------- the maps are true

@@ -1,4 +1,5 @@
 """`make lab` really starts JupyterLab at the repository root, opening chapter 00."""
+
 import json
 import os
 import re
@@ -19,8 +20,10 @@ NOTEBOOKS = sorted(p for d in ("notebooks", "exercises", "solutions") for p in (
 
 
 @pytest.mark.timing
-@pytest.mark.skipif(not (ROOT / ".venv" / ".installed-stamp").exists() or os.environ.get("COURSE_GPU_TIER") == "1",
-                    reason="make lab bootstraps .venv; this run has none (GPU tier or a foreign environment)")
+@pytest.mark.skipif(
+    not (ROOT / ".venv" / ".installed-stamp").exists() or os.environ.get("COURSE_GPU_TIER") == "1",
+    reason="make lab bootstraps .venv; this run has none (GPU tier or a foreign environment)",
+)
 def test_make_lab_serves_the_whole_course_from_the_repository_root(tmp_path):
     # The clocks here only stop a server that never answers: 180 s to start and 30 s an answer, for a lab that
     # answered in 2-24 s with both cores busy (tools/under_load.py). A lab that does not start, or serves the
@@ -33,8 +36,14 @@ def test_make_lab_serves_the_whole_course_from_the_repository_root(tmp_path):
     args = f"--no-browser --port={port} --ip=127.0.0.1 --IdentityProvider.token={token}"
     env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path), "JUPYTER_CONFIG_DIR": str(tmp_path / "cfg")}
     log = tmp_path / "lab.log"
-    proc = subprocess.Popen(["make", "-s", "lab", f"LAB_ARGS={args}"], cwd=ROOT, env=env,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        ["make", "-s", "lab", f"LAB_ARGS={args}"],
+        cwd=ROOT,
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
     def get(path: str):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}?token={token}", timeout=30) as r:
@@ -116,6 +125,7 @@ def test_a_notebook_is_stored_as_jupyterlab_saves_it_unchanged(path):
     """Reading a notebook in JupyterLab must not mark it modified, nor autosave rewrite the tracked file:
     the file is what nbformat writes back, with the metadata the kernel reports (less its version)."""
     from course_lib.tooling.colab import KERNELSPEC, LANGUAGE_INFO
+
     raw = path.read_text(encoding="utf-8")
     nb = nbformat.reads(raw, as_version=4)
     assert nbformat.writes(nb) + "\n" == raw, "re-saving with nbformat changes the file: run make stamp"
@@ -131,6 +141,7 @@ def test_the_labs_contents_manager_opens_a_notebook_as_the_kernel_describes_itse
     # The GPU tier's kit (docs/gpu.md) carries the notebook tooling, not JupyterLab's server.
     pytest.importorskip("jupyter_server", reason="JupyterLab is not installed here (make lab installs it)")
     from course_lib.tooling.lab import CourseContentsManager
+
     shutil.copy(ROOT / "notebooks" / "01_formats.ipynb", tmp_path / "01.ipynb")
     before = (tmp_path / "01.ipynb").read_bytes()
     manager = CourseContentsManager(root_dir=str(tmp_path))

@@ -88,7 +88,9 @@ def learners_clone(tmp: Path) -> Path:
 JS_PANEL = """
 const panelOf = (path) => [...jupyterapp.shell.widgets('main')].find(w => w.context && w.context.path === path);
 """
-JS_OPEN = JS_PANEL + """
+JS_OPEN = (
+    JS_PANEL
+    + """
 const [path, done] = arguments;
 (async () => {
   await jupyterapp.restored;
@@ -99,7 +101,10 @@ const [path, done] = arguments;
   return p.id;
 })().then(done, e => done('ERROR ' + e));
 """
-JS_STATE = JS_PANEL + """
+)
+JS_STATE = (
+    JS_PANEL
+    + """
 const p = panelOf(arguments[0]);
 const code = p.content.widgets.filter(c => c.model.type === 'code');
 const outs = code.map(c => c.model.outputs.toJSON());
@@ -110,7 +115,10 @@ return {kernel: kernel ? kernel.status : null,
         errors: outs.flatMap((o, i) => o.filter(x => x.output_type === 'error').map(x => i + ': ' + x.ename)),
         dirty: p.context.model.dirty};
 """
-JS_RUN_ALL = JS_PANEL + """
+)
+JS_RUN_ALL = (
+    JS_PANEL
+    + """
 const [path, done] = arguments;
 (async () => {
   const p = panelOf(path);
@@ -120,7 +128,10 @@ const [path, done] = arguments;
   return 'started';
 })().then(done, e => done('ERROR ' + e));
 """
-JS_SAVE_AND_CLOSE = JS_PANEL + """
+)
+JS_SAVE_AND_CLOSE = (
+    JS_PANEL
+    + """
 const [path, done] = arguments;
 (async () => {
   const p = panelOf(path);
@@ -131,8 +142,11 @@ const [path, done] = arguments;
   return 'closed';
 })().then(done, e => done('ERROR ' + e));
 """
+)
 # What each widget output shows: an error, a live view (its text), nothing (hidden), or still loading.
-JS_WIDGETS = JS_PANEL + """
+JS_WIDGETS = (
+    JS_PANEL
+    + """
 const p = panelOf(arguments[0]);
 const found = [];
 p.content.widgets.forEach((cell, index) => {
@@ -150,16 +164,23 @@ p.content.widgets.forEach((cell, index) => {
 });
 return found;
 """
-JS_WIDGET_CELLS = JS_PANEL + """
+)
+JS_WIDGET_CELLS = (
+    JS_PANEL
+    + """
 const p = panelOf(arguments[0]);
 return p.content.widgets.map((c, i) => c.model.type === 'code' && c.model.outputs.toJSON().some(
   o => o.data && o.data['application/vnd.jupyter.widget-view+json']) ? i : -1).filter(i => i >= 0);
 """
-JS_SHOW_CELL = JS_PANEL + """
+)
+JS_SHOW_CELL = (
+    JS_PANEL
+    + """
 const [path, index] = arguments;
 const cell = panelOf(path).content.widgets[index];
 (cell.outputArea ? cell.outputArea.node : cell.node).scrollIntoView({block: 'center'});
 """
+)
 JS_BROWSER = """
 const crumbs = document.querySelector('.jp-FileBrowser .jp-BreadCrumbs');
 const items = [...document.querySelectorAll('.jp-FileBrowser .jp-DirListing-item .jp-DirListing-itemText')];
@@ -197,11 +218,19 @@ def test_a_learner_runs_saves_and_reopens_chapters_00_07_and_10(tmp_path):
     # The clone's own course_lib, for the server (`jupyter lab` re-executes itself, so the current
     # folder is not on its path) and the kernels; where this test found selenium stays out.
     env["PYTHONPATH"] = str(clone)
-    args = (f"--no-browser --port={port} --ip=127.0.0.1 --IdentityProvider.token={TOKEN}"
-            " --LabApp.expose_app_in_browser=True")
+    args = (
+        f"--no-browser --port={port} --ip=127.0.0.1 --IdentityProvider.token={TOKEN}"
+        " --LabApp.expose_app_in_browser=True"
+    )
     log = open(tmp_path / "lab.log", "w")
-    server = subprocess.Popen(["make", "-s", "lab", f"LAB_ARGS={args}"], cwd=clone, env=env, stdout=log,
-                              stderr=subprocess.STDOUT, start_new_session=True)
+    server = subprocess.Popen(
+        ["make", "-s", "lab", f"LAB_ARGS={args}"],
+        cwd=clone,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     options = webdriver.ChromeOptions()
     options.binary_location = CHROME
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
@@ -209,6 +238,7 @@ def test_a_learner_runs_saves_and_reopens_chapters_00_07_and_10(tmp_path):
     driver = None
     seen: dict = {"chapters": {}}
     try:
+
         def answers():
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=1):
@@ -225,6 +255,7 @@ def test_a_learner_runs_saves_and_reopens_chapters_00_07_and_10(tmp_path):
         seen["url"] = driver.current_url
         first = CHAPTERS[0]
         wait_for(f"{first} to open", lambda: driver.execute_script(JS_PANEL + f"return !!panelOf('{first}')"), 120)
+
         # the file browser shows the notebook's folder first, then moves to file-browser-path (the top):
         # 2 s were not always enough on a loaded machine; a browser that never moves fails below
         def at_top():
@@ -263,8 +294,11 @@ def test_a_learner_runs_saves_and_reopens_chapters_00_07_and_10(tmp_path):
                 widgets = saved["metadata"].get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {})
                 record[f"saved_{again}"] = {
                     "widget_models": len(widgets.get("state", {})),
-                    "widget_views": sum("application/vnd.jupyter.widget-view+json" in out.get("data", {})
-                                        for cell in saved["cells"] for out in cell.get("outputs", [])),
+                    "widget_views": sum(
+                        "application/vnd.jupyter.widget-view+json" in out.get("data", {})
+                        for cell in saved["cells"]
+                        for out in cell.get("outputs", [])
+                    ),
                 }
                 assert not str(driver.execute_async_script(JS_OPEN, path)).startswith("ERROR")
 

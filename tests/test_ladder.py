@@ -1,4 +1,5 @@
 """course_lib.chapters.ch09.ladder: every rung runs at toy size on a CPU; targets are computed, not typed."""
+
 import json
 
 import pytest
@@ -16,15 +17,28 @@ def test_resnet50_ladder_times_every_rung_this_machine_can_run_and_says_why_not_
     def step_row(model, precision, device, *, batch, steps, allow_tf32=False, channels_last=False, shape=None):
         asked.append((model, precision, channels_last, shape))
         ms = {"fp32": 40.0, "bf16": 20.0}[precision] * (0.9 if channels_last else 1.0)
-        return {"precision": precision, "tf32": allow_tf32, "channels_last": channels_last, "model": model,
-                "batch": batch, "steps": steps, "ms_per_step": ms, "ms_q1": ms, "ms_q3": ms, "times_ms": [ms],
-                "samples_per_s": batch / ms * 1e3, "peak_memory_gib": None}
+        return {
+            "precision": precision,
+            "tf32": allow_tf32,
+            "channels_last": channels_last,
+            "model": model,
+            "batch": batch,
+            "steps": steps,
+            "ms_per_step": ms,
+            "ms_q1": ms,
+            "ms_q3": ms,
+            "times_ms": [ms],
+            "samples_per_s": batch / ms * 1e3,
+            "peak_memory_gib": None,
+        }
+
     monkeypatch.setattr(ladder, "step_row", step_row)
     monkeypatch.setattr(ladder, "has_native_bf16", lambda dev: True)
     rows = ladder.resnet50_ladder("cpu", batch=2, steps=1, image_size=32)
     assert asked == [("resnet50", p, cl, (3, 32, 32)) for p in ("fp32", "bf16") for cl in (False, True)]
-    assert [r["mode"] for r in rows] == [f"{p}{cl}" for p in ("FP32 (strict)", "TF32", "AMP bf16", "AMP fp16")
-                                         for cl in ("", " + channels_last")]
+    assert [r["mode"] for r in rows] == [
+        f"{p}{cl}" for p in ("FP32 (strict)", "TF32", "AMP bf16", "AMP fp16") for cl in ("", " + channels_last")
+    ]
     assert all("sm_80" in r["note"] for r in rows if r["mode"].startswith("TF32"))
     assert all("fp16 convolution" in r["note"] for r in rows if r["mode"].startswith("AMP fp16"))  # minutes on a CPU
     timed = [r for r in rows if "ms_per_step" in r]
@@ -40,8 +54,14 @@ def test_resnet50_ladder_times_every_rung_this_machine_can_run_and_says_why_not_
 def test_course_ladder_adds_one_change_per_rung_and_skips_compiling_on_a_cpu():
     rows = rungs.course_ladder("cpu", batch=4, steps=1)
     assert [r["mode"].split(" (")[0] for r in rows] == [
-        "fp32, DataLoader", f"+ AMP {rows[1].get('precision', 'bf16')}", "+ channels_last", "+ fused AdamW",
-        "+ torch.compile", "+ workers, pinned", "+ data on the device"]
+        "fp32, DataLoader",
+        f"+ AMP {rows[1].get('precision', 'bf16')}",
+        "+ channels_last",
+        "+ fused AdamW",
+        "+ torch.compile",
+        "+ workers, pinned",
+        "+ data on the device",
+    ]
     assert all("compiling takes minutes" in r["note"] for r in rows[4:6]) and rows[6]["mode"].endswith("(eager)")
     timed = [r for r in rows if "ms_per_step" in r]
     assert len(timed) == 5 and timed[0]["speedup"] == 1.0 and timed[0]["precision"] == "fp32"
@@ -95,20 +115,35 @@ def test_largest_batch_is_a_gpu_measurement():
 
 
 def _row(mode, img_s, mem, channels_last=False):
-    return {"mode": mode, "ms_per_step": 1000 / img_s, "samples_per_s": img_s, "peak_memory_gib": mem,
-            "channels_last": channels_last}
+    return {
+        "mode": mode,
+        "ms_per_step": 1000 / img_s,
+        "samples_per_s": img_s,
+        "peak_memory_gib": mem,
+        "channels_last": channels_last,
+    }
 
 
 def test_targets_are_ratios_of_measured_rows_like_for_like():
-    rows = [_row("FP32 (strict)", 800, 20.0), _row("FP32 (strict) + channels_last", 780, 20.1, True),
-            _row("TF32", 1500, 20.0), _row("TF32 + channels_last", 2000, 20.1, True),
-            _row("AMP bf16", 2600, 12.0), _row("AMP bf16 + channels_last", 3000, 12.5, True),
-            _row("AMP fp16 + channels_last", 3600, 12.5, True)]
-    gpt = [{"mode": "FP32 (strict)", "ms_per_step": 9, "mfu": 0.5}, {"mode": "+ fused AdamW", "ms_per_step": 1,
-                                                                      "mfu": 0.30}, {"mode": "x", "note": "skipped"}]
-    course = [{"feed": "loader", "data_wait": 0.5, "samples_per_s": 10}, {"feed": "workers", "data_wait": 0.04,
-                                                                            "samples_per_s": 30},
-              {"feed": "device", "data_wait": 0.0, "samples_per_s": 50}]
+    rows = [
+        _row("FP32 (strict)", 800, 20.0),
+        _row("FP32 (strict) + channels_last", 780, 20.1, True),
+        _row("TF32", 1500, 20.0),
+        _row("TF32 + channels_last", 2000, 20.1, True),
+        _row("AMP bf16", 2600, 12.0),
+        _row("AMP bf16 + channels_last", 3000, 12.5, True),
+        _row("AMP fp16 + channels_last", 3600, 12.5, True),
+    ]
+    gpt = [
+        {"mode": "FP32 (strict)", "ms_per_step": 9, "mfu": 0.5},
+        {"mode": "+ fused AdamW", "ms_per_step": 1, "mfu": 0.30},
+        {"mode": "x", "note": "skipped"},
+    ]
+    course = [
+        {"feed": "loader", "data_wait": 0.5, "samples_per_s": 10},
+        {"feed": "workers", "data_wait": 0.04, "samples_per_s": 30},
+        {"feed": "device", "data_wait": 0.0, "samples_per_s": 50},
+    ]
     goals = list(targets.targets(rows, gpt, course))
     speed, vs_fp32, vs_tf32, memory, mfu, wait = goals
     # the rung the target names (bf16 + channels_last), not the fastest AMP row (fp16 here)
@@ -124,8 +159,11 @@ def test_targets_are_ratios_of_measured_rows_like_for_like():
     nchw = list(targets.targets([r for r in rows if not r["channels_last"] or r["mode"].startswith("AMP bf16")]))
     assert nchw[1]["goal"].endswith("NCHW") and nchw[1]["value"] == pytest.approx(2600 / 800)
     # fp16 is the AMP rows' type where no bf16 row was timed (a T4)
-    t4 = [_row("FP32 (strict)", 100, 10.0), _row("AMP fp16", 300, 6.0),
-          _row("AMP fp16 + channels_last", 320, 6.0, True)]
+    t4 = [
+        _row("FP32 (strict)", 100, 10.0),
+        _row("AMP fp16", 300, 6.0),
+        _row("AMP fp16 + channels_last", 320, 6.0, True),
+    ]
     assert list(targets.targets(t4))[0]["goal"].startswith("ResNet-50 AMP fp16")
     cpu = list(targets.targets([_row("FP32 (strict)", 10, None)]))
     assert cpu[0]["met"] is None and "n/a" in targets.format_targets(cpu)
@@ -177,6 +215,7 @@ def test_largest_batch_doubles_until_out_of_memory_with_one_untimed_step_per_pro
         if batch > 256:
             raise ladder.torch.cuda.OutOfMemoryError("CUDA out of memory")
         return {}
+
     monkeypatch.setattr(ladder, "pick_device", lambda device: ladder.torch.device("cuda"))
     monkeypatch.setattr(ladder, "step_row", step_row)
     found = ladder.largest_batch("fp16")

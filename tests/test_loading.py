@@ -1,4 +1,5 @@
 """course_lib.chapters.ch07 (loading, data_wait): the pipeline, the wait measured, seeding, on-device loading, CLI."""
+
 from __future__ import annotations
 
 import json
@@ -128,8 +129,13 @@ def test_a_dataset_that_swallows_loader_arguments_leaves_the_loader_at_its_defau
 
 def test_workers_copy_a_numpy_generator_and_reseed_numpy_fixes_it():
     def batches(init):
-        loader = DataLoader(L.NumpyRngDataset(8), batch_size=4, num_workers=2, worker_init_fn=init,
-                            generator=torch.Generator().manual_seed(0))
+        loader = DataLoader(
+            L.NumpyRngDataset(8),
+            batch_size=4,
+            num_workers=2,
+            worker_init_fn=init,
+            generator=torch.Generator().manual_seed(0),
+        )
         return [b.tolist() for b in loader]
 
     same = batches(None)
@@ -146,7 +152,7 @@ def _matches_a_shifted_flipped_crop(out: torch.Tensor, img: torch.Tensor, pad: i
     best = -1.0
     for dy in range(2 * pad + 1):
         for dx in range(2 * pad + 1):
-            crop = padded[..., dy:dy + h, dx:dx + w]
+            crop = padded[..., dy : dy + h, dx : dx + w]
             for cand in (crop, crop.flip(-1)):
                 best = max(best, float(torch.corrcoef(torch.stack([cand.flatten(), out.flatten()]))[0, 1]))
     return best
@@ -181,11 +187,26 @@ def test_device_loader_covers_the_data_once_per_epoch_in_a_seeded_order(raw):
 
 def test_format_loading_reference_shows_copies_and_the_sweep():
     run = W.LoaderRun("num_workers=2", 64, [0.1, 0.2], [10.0, 11.0], 50.0)
-    copies = [{"copy": name, "mib": 64, "copy_ms": 3.0, "copy_lo": 2.9, "copy_hi": 3.1, "gb_per_s": 22.4,
-               "busy_ms": 20.0, "host_ms": h, "both_ms": 21.0} for name, h in (("pageable .to()", 23.0),
-                                                                             ("pinned, non_blocking", 0.02))]
-    text = L.format_loading_reference({"copies": copies, "sweep": {"cpus": 16, "per_core": 900.0, "demand": 5400.0,
-                                                           "batch_size": 64, "runs": [run.__dict__]}})
+    copies = [
+        {
+            "copy": name,
+            "mib": 64,
+            "copy_ms": 3.0,
+            "copy_lo": 2.9,
+            "copy_hi": 3.1,
+            "gb_per_s": 22.4,
+            "busy_ms": 20.0,
+            "host_ms": h,
+            "both_ms": 21.0,
+        }
+        for name, h in (("pageable .to()", 23.0), ("pinned, non_blocking", 0.02))
+    ]
+    text = L.format_loading_reference(
+        {
+            "copies": copies,
+            "sweep": {"cpus": 16, "per_core": 900.0, "demand": 5400.0, "batch_size": 64, "runs": [run.__dict__]},
+        }
+    )
     assert "pinned, non_blocking" in text and "16 cores" in text and "num_workers=2" in text
     assert all(len(line) <= 100 for line in text.splitlines())
 
@@ -236,6 +257,7 @@ def test_chapter_07_sets_one_cores_supply_from_the_median_step():
     import nbformat
 
     from course_lib.chapters.ch07.data_wait import LoaderRun
+
     cells = nbformat.read(Path(__file__).parents[1] / "notebooks" / "07_loading.ipynb", as_version=4).cells
     source = next(c.source for c in cells if c.cell_type == "code" and "load_only = measure_loader" in c.source)
     assert "load_ms = load_only.step.median_ms" in source and "supply = 1000 * B / load_ms" in source
@@ -251,13 +273,15 @@ def test_loader_warnings_are_caught_and_said_without_paths():
     data = TensorDataset(torch.randn(32, 3))
     with W.caught_loader_warnings() as said:
         for _ in range(2):
-            W.measure_loader(DataLoader(data, batch_size=8, num_workers=W.cpus() + 2, pin_memory=True),
-                             W.simulated_step(0), steps=2)
+            W.measure_loader(
+                DataLoader(data, batch_size=8, num_workers=W.cpus() + 2, pin_memory=True), W.simulated_step(0), steps=2
+            )
     assert len(said) == len(set(said)) and all(len(line) <= 97 and "site-packages" not in line for line in said)
     assert f"num_workers={W.cpus() + 2}: more workers than the {W.cpus()} cores here" in said[0]
     if not torch.cuda.is_available() and torch_at_least("2.7"):  # torch 2.6 pins nothing without a word
         assert said[1].startswith("pin_memory=True: there is no GPU here, so DataLoader pins nothing")
     with W.caught_loader_warnings() as said:
         import warnings
+
         warnings.warn("something else\nsecond line", DeprecationWarning)
     assert said == ["DataLoader warned (DeprecationWarning): something else"]

@@ -1,4 +1,5 @@
 """course_lib.chapters.ch01.matmul: matmul error against float64, the datasheet peaks and their ratios."""
+
 import pytest
 import torch
 
@@ -41,6 +42,7 @@ def test_matmul_table_text_puts_modes_in_rows_and_fits_100_characters():
 
 def test_peak_ratios_come_from_the_device_table_with_no_tensor_core_path_as_none():
     from course_lib.chapters.ch01.matmul import PEAK_TFLOPS
+
     rows = {r["gpu"]: r for r in M.peak_ratios()}
     assert set(rows) == set(PEAK_TFLOPS) and set(M.FP8_PEAK_TFLOPS) <= set(PEAK_TFLOPS)
     assert rows["H100 SXM"]["bf16/fp32"] == pytest.approx(989.4 / 66.9) == pytest.approx(14.8, abs=0.05)

@@ -1,4 +1,5 @@
 """course_lib.chapters.ch02.matmul_speed: TFLOP/s per dtype on this device, next to the datasheet peak."""
+
 import json
 
 import pytest

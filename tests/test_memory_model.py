@@ -4,6 +4,7 @@ misses the 2% target; an H100's recorded run (data/reference/memory_*.json) is p
 walk alone, and within 1% once the record's own reading of what the allocator held before the step is
 added; the explorer draws everywhere. The seeded sweep against MemTracker is tests/test_memory_sweep.py.
 """
+
 import pytest
 
 from course_lib.chapters.ch10.predict import OPTIMIZERS, PRECISIONS, Step, predict_step
@@ -14,19 +15,22 @@ from course_lib.reference import load_references
 TARGET = 0.02
 
 
-@pytest.mark.parametrize("bad, says", [
-    ({"model": "vit", "batch": 1}, "model 'vit' is not modelled"),
-    ({"model": "gpt", "batch": 1, "seq": 8, "optimizer": "adam8bit"}, "optimizer 'adam8bit' is not modelled"),
-    ({"model": "gpt", "batch": 1, "seq": 8, "optimizer": "adamw(foreach)"}, "not modelled"),
-    ({"model": "gpt", "batch": 1, "seq": 8, "precision": "fp8"}, "precision 'fp8' is not modelled"),
-    ({"model": "gpt", "batch": 1, "seq": 8, "attention": "flash"}, "attention 'flash' is not modelled"),
-    ({"model": "gpt", "batch": 1, "seq": 8, "device": "mps"}, "device 'mps' is not modelled"),
-    ({"model": "resnet50", "batch": 1, "size": 64, "checkpointing": True}, "GPT's blocks only"),
-    ({"model": "mlp", "batch": 1, "width": 8, "depth": 1, "seq": 8}, "seq does not apply to mlp"),
-    ({"model": "gpt", "batch": 1}, "gpt needs seq"),
-    ({"model": "gpt", "batch": 1, "seq": 8, "precision": "bf16-master", "optimizer": "sgd"}, "choose an adamw"),
-    ({"model": "gpt", "batch": 1, "seq": 2048}, "longer than the model's block_size"),
-])
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        ({"model": "vit", "batch": 1}, "model 'vit' is not modelled"),
+        ({"model": "gpt", "batch": 1, "seq": 8, "optimizer": "adam8bit"}, "optimizer 'adam8bit' is not modelled"),
+        ({"model": "gpt", "batch": 1, "seq": 8, "optimizer": "adamw(foreach)"}, "not modelled"),
+        ({"model": "gpt", "batch": 1, "seq": 8, "precision": "fp8"}, "precision 'fp8' is not modelled"),
+        ({"model": "gpt", "batch": 1, "seq": 8, "attention": "flash"}, "attention 'flash' is not modelled"),
+        ({"model": "gpt", "batch": 1, "seq": 8, "device": "mps"}, "device 'mps' is not modelled"),
+        ({"model": "resnet50", "batch": 1, "size": 64, "checkpointing": True}, "GPT's blocks only"),
+        ({"model": "mlp", "batch": 1, "width": 8, "depth": 1, "seq": 8}, "seq does not apply to mlp"),
+        ({"model": "gpt", "batch": 1}, "gpt needs seq"),
+        ({"model": "gpt", "batch": 1, "seq": 8, "precision": "bf16-master", "optimizer": "sgd"}, "choose an adamw"),
+        ({"model": "gpt", "batch": 1, "seq": 2048}, "longer than the model's block_size"),
+    ],
+)
 def test_an_option_it_does_not_model_raises_and_says_what_it_does(bad, says):
     with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
         predict_step(Step(**bad))
@@ -46,8 +50,10 @@ def test_a_tapes_parameters_are_the_models():
     from course_lib.models import GPT, MLP, SimpleCNN, resnet50
 
     cases = [
-        (Step("gpt", 1, seq=8, config=GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)),
-         lambda: GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16))),
+        (
+            Step("gpt", 1, seq=8, config=GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)),
+            lambda: GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)),
+        ),
         (Step("mlp", 1, width=32, depth=3), lambda: MLP(in_features=32, hidden=32, depth=3)),
         (Step("simplecnn", 1, size=28, width=16), lambda: SimpleCNN(in_channels=1, width=16)),
         (Step("resnet50", 1, size=64), lambda: resnet50(num_classes=1000)),
@@ -87,8 +93,11 @@ def test_leaving_out_a_kind_of_tensor_misses_the_target():
 RECORDED = [row for ref in load_references("memory_*.json") for row in ref["rows"]]
 
 
-@pytest.mark.parametrize("row", [r for r in RECORDED if r["model"] != "simplecnn"],
-                         ids=lambda r: f"{r['model']}-{r['precision']}-b{r['batch']}")
+@pytest.mark.parametrize(
+    "row",
+    [r for r in RECORDED if r["model"] != "simplecnn"],
+    ids=lambda r: f"{r['model']}-{r['precision']}-b{r['batch']}",
+)
 def test_the_recorded_gpu_peaks_are_within_two_percent(row):
     predicted = predicted_recorded_row(row)
     assert abs(predicted["error"]) < TARGET  # the walk alone
@@ -111,8 +120,12 @@ def test_without_cuda_rules_and_the_runs_loop_the_recorded_gpt_rows_miss():
 
     row = next(r for r in RECORDED if r["model"] == "gpt2" and not r["sdpa"] and r["precision"] == "bf16")
     step = recorded_step(row)
-    cpu_rules = predict_step(Step("gpt", step.batch, seq=step.seq, config=step.config, precision="bf16",
-                                  optimizer=step.optimizer)).peak + row["batch_bytes"]
+    cpu_rules = (
+        predict_step(
+            Step("gpt", step.batch, seq=step.seq, config=step.config, precision="bf16", optimizer=step.optimizer)
+        ).peak
+        + row["batch_bytes"]
+    )
     assert abs(cpu_rules / row["peak_bytes"] - 1) > TARGET
 
 

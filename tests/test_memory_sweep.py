@@ -8,6 +8,7 @@ MemTracker runs on fake tensors, so a step's cost is its number of ops (about a 
 one- or two-block GPT, two for ResNet-50's 160 layers), not its size. The rest of chapter 10's tests
 (the tapes, the recorded GPU run, the explorer, the options refused) are in tests/test_memory_model.py.
 """
+
 import random
 import time
 
@@ -29,33 +30,64 @@ def sweep_steps(seed: int = 42) -> list[Step]:
 
     def gpt(precision: str, optimizer: str, config: GPTConfig | None = None, **how) -> Step:
         n_head = rng.choice((1, 2, 4))
-        config = config or GPTConfig(vocab_size=rng.choice((64, 256, 1024)), block_size=256,
-                                     n_layer=rng.choice((1, 1, 2)), n_head=n_head, n_embd=n_head * rng.choice((8, 16)))
-        shape = {"batch": rng.randint(1, 4), "seq": rng.choice((8, 32, 64)),
-                 "attention": rng.choice(("sdpa", "materialized")), "checkpointing": rng.random() < 0.4,
-                 "logits_held": rng.random() < 0.8, **how}
+        config = config or GPTConfig(
+            vocab_size=rng.choice((64, 256, 1024)),
+            block_size=256,
+            n_layer=rng.choice((1, 1, 2)),
+            n_head=n_head,
+            n_embd=n_head * rng.choice((8, 16)),
+        )
+        shape = {
+            "batch": rng.randint(1, 4),
+            "seq": rng.choice((8, 32, 64)),
+            "attention": rng.choice(("sdpa", "materialized")),
+            "checkpointing": rng.random() < 0.4,
+            "logits_held": rng.random() < 0.8,
+            **how,
+        }
         return Step("gpt", config=config, precision=precision, optimizer=optimizer, **shape)
 
     def takes(precision: str) -> list[str]:
         return [o for o in OPTIMIZERS if precision != "bf16-master" or o.startswith("adamw")]
 
     steps = [gpt(p, o) for p in PRECISIONS for o in takes(p)]
-    steps += [gpt(p, "adamw-fused", seq=256, attention="materialized", checkpointing=True)
-              for p in ("fp32", "bf16", "bf16-pure")]
+    steps += [
+        gpt(p, "adamw-fused", seq=256, attention="materialized", checkpointing=True)
+        for p in ("fp32", "bf16", "bf16-pure")
+    ]
     steps += [gpt(p, "adamw-fused", batch=1, seq=4) for p in ("fp32", "bf16", "bf16-master")]
     one_block = GPTConfig(vocab_size=256, block_size=256, n_layer=1, n_head=4, n_embd=32)  # T x T in forward
-    steps += [gpt(p, "adamw", one_block, batch=2, seq=256, attention="materialized", checkpointing=False)
-              for p in ("fp32", "bf16")]
+    steps += [
+        gpt(p, "adamw", one_block, batch=2, seq=256, attention="materialized", checkpointing=False)
+        for p in ("fp32", "bf16")
+    ]
     for _ in range(4):  # and a few more, every option drawn
         precision = rng.choice(PRECISIONS)
         steps.append(gpt(precision, rng.choice(takes(precision))))
     for precision in PRECISIONS * 2:
         optimizer = rng.choice(takes(precision))
-        steps.append(Step("mlp", rng.choice((16, 64, 512)), width=rng.choice((32, 128, 512)), depth=rng.randint(1, 3),
-                          precision=precision, optimizer=optimizer))
-        steps.append(Step("simplecnn", rng.randint(1, 16), size=rng.choice((12, 28)), width=rng.choice((8, 16, 32)),
-                          precision=precision, optimizer=rng.choice(("sgd", "sgd-momentum", "adamw-fused", "adamw"))
-                          if precision != "bf16-master" else "adamw-foreach"))
+        steps.append(
+            Step(
+                "mlp",
+                rng.choice((16, 64, 512)),
+                width=rng.choice((32, 128, 512)),
+                depth=rng.randint(1, 3),
+                precision=precision,
+                optimizer=optimizer,
+            )
+        )
+        steps.append(
+            Step(
+                "simplecnn",
+                rng.randint(1, 16),
+                size=rng.choice((12, 28)),
+                width=rng.choice((8, 16, 32)),
+                precision=precision,
+                optimizer=rng.choice(("sgd", "sgd-momentum", "adamw-fused", "adamw"))
+                if precision != "bf16-master"
+                else "adamw-foreach",
+            )
+        )
     # ResNet-50's AdamW for-loop and foreach steps cost most to measure (a few ops for each of its 161
     # tensors); the GPT rows measure those implementations, ResNet-50 the fused one
     for precision, optimizer in (("fp32", "sgd-momentum"), ("bf16", "adamw-fused"), ("bf16-pure", "sgd")):

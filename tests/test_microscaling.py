@@ -1,6 +1,7 @@
 """Chapter 11's microscaling by hand: MXFP8 and MXFP4 bytes equal, bit for bit, to a pure-Python
 reference (and to torchao's to_mx where torchao is installed), e2m1 codes and their packing, the two
 scale rules, NVFP4, and the tables the chapter reads."""
+
 import math
 
 import pytest
@@ -69,8 +70,20 @@ def test_the_floor_rule_saturates_what_the_round_up_rule_keeps():
 
 def test_e2m1_codes_round_to_nearest_ties_to_even_and_saturate():
     values = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, 100.0, -0.0, -0.1, -5.5])
-    assert M.e2m1_values(M.e2m1_codes(values)).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0, -0.0,
-                                                            -0.0, -6.0]
+    assert M.e2m1_values(M.e2m1_codes(values)).tolist() == [
+        0.0,
+        1.0,
+        1.0,
+        2.0,
+        2.0,
+        4.0,
+        4.0,
+        6.0,
+        6.0,
+        -0.0,
+        -0.0,
+        -6.0,
+    ]
     assert M.e2m1_codes(torch.tensor([-0.0, 0.0])).tolist() == [8, 0]  # the sign bit, even of a zero
     codes = torch.arange(16, dtype=torch.uint8)
     assert torch.equal(M.e2m1_codes(M.e2m1_values(codes)), codes)

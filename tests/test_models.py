@@ -1,4 +1,5 @@
 """course_lib.models: shapes, the seed's SimpleCNN fixes, and name lookup."""
+
 import pytest
 import torch
 
@@ -35,6 +36,7 @@ def test_gpt_sdpa_and_explicit_attention_agree_and_initial_loss_is_chance():
     import math
 
     from course_lib.models import GPT, GPTConfig
+
     small = dict(vocab_size=128, block_size=32, n_layer=2, n_head=2, n_embd=32)
     explicit, fused = GPT(GPTConfig(**small, sdpa=False)), GPT(GPTConfig(**small))
     fused.load_state_dict(explicit.state_dict())
@@ -47,6 +49,7 @@ def test_gpt_sdpa_and_explicit_attention_agree_and_initial_loss_is_chance():
 
 def test_gpt2_small_has_124m_parameters_and_nanogpts_flop_count():
     from course_lib.models import GPT
+
     model = GPT()
     assert round(sum(p.numel() for p in model.parameters()) / 1e6, 1) == 124.5
     assert round(model.flops_per_token(1024) / 1e6) == 855  # 6N + 12 L E T

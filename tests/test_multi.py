@@ -1,4 +1,5 @@
 """course_lib.chapters.ch05.multi: chapter 05's loops do what the AMP examples page prescribes."""
+
 from __future__ import annotations
 
 import copy
@@ -32,9 +33,11 @@ def test_two_model_step_matches_the_examples_page_and_skips_then_learns():
     opt0, opt1 = (torch.optim.SGD(m.parameters(), lr=0.01) for m in (model0, model1))
     scaler = mode.make_scaler()
     x, y = torch.randn(32, 16), torch.randn(32, 4)
-    rows = [article_two_models.two_model_step(model0, model1, opt0, opt1, scaler, x, y, mode, max_norm=1.0)
-            for _ in range(8)]
-    assert rows[0]["scale"] == 2.0 ** 16 and rows[0]["skipped"] == [True, True]  # fp16 overflows at 65536
+    rows = [
+        article_two_models.two_model_step(model0, model1, opt0, opt1, scaler, x, y, mode, max_norm=1.0)
+        for _ in range(8)
+    ]
+    assert rows[0]["scale"] == 2.0**16 and rows[0]["skipped"] == [True, True]  # fp16 overflows at 65536
     assert rows[-1]["skipped"] == [False, False] and rows[-1]["loss0"] < rows[0]["loss0"]
     scales = [r["scale"] for r in rows]
     assert all(b in (a, a / 2) for a, b in zip(scales, scales[1:]))  # one update per iteration: one halving at most
@@ -50,8 +53,10 @@ def test_each_optimizer_skips_on_its_own_and_update_backs_off_once():
 
 def test_retain_graph_and_the_summed_loss_give_the_same_gradients():
     result = article_two_models.retain_vs_sum(multi.AmpMode("cpu", torch.float32, False, ""), batch=16, iters=2)
-    assert result["max_rel_diff"] < 1e-5 and set(result["timings"]) == {"two backward (retain_graph)",
-                                                                       "one backward of the sum"}
+    assert result["max_rel_diff"] < 1e-5 and set(result["timings"]) == {
+        "two backward (retain_graph)",
+        "one backward of the sum",
+    }
 
 
 @needs_fp16
@@ -60,7 +65,7 @@ def test_gan_step_uses_one_scaler_and_trains_on_real_images():
     images = torch.rand(256, 1, 28, 28) * 2 - 1
     gen, disc, hist = multi.train_gan(images, multi.amp_mode("cpu"), steps=12, batch_size=16, growth_interval=4)
     assert len(hist.d_loss) == len(hist.scale) == 12 and hist.mode == "fp16 + GradScaler"
-    assert hist.scale[4] == 2.0 ** 17  # grew after 4 clean iterations: one update per iteration
+    assert hist.scale[4] == 2.0**17  # grew after 4 clean iterations: one update per iteration
     assert gen(torch.randn(2, gen.z_dim)).shape == (2, 1, 28, 28) and multi.image_grid(images, 2, 3).shape == (56, 84)
 
 
@@ -80,7 +85,7 @@ def test_the_penalty_matches_fp32_only_with_the_manual_unscaling():
     for unscale, close in ((True, True), (False, False)):
         model = copy.deepcopy(net)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        scaler = mode.make_scaler(init_scale=2.0 ** 10)
+        scaler = mode.make_scaler(init_scale=2.0**10)
         out = multi.penalty_backward(model, scaler, x, y, mode, unscale=unscale)
         scaler.unscale_(opt)
         assert (abs(out["penalty"] - ref["penalty"]) < 0.05 * ref["penalty"]) == close
@@ -114,6 +119,7 @@ def test_a_live_run_is_sized_by_what_this_machine_measured(monkeypatch):
         first = [1.0] * 5  # the first iterations set things up: slow
         burst = [0.05] * (steps - 6) + [2.0]  # then 50 ms an iteration, one caught by a neighbour's burst
         return None, None, multi.GanHistory(step_seconds=first + burst)
+
     monkeypatch.setattr(multi, "train_gan", fake_train_gan)
     n, per = multi.gan_iterations(torch.zeros(4, 1, 28, 28), multi.amp_mode("cpu"), budget_s=25, hi=300)
     assert calls == [25] and per == pytest.approx(0.05) and n == 300  # the median of the last 20

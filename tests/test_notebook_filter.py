@@ -250,8 +250,10 @@ def test_a_clone_without_the_filter_is_plain_git(tmp_path, clones):
     assert not nf.configured(plain) and nf.refresh(plain) == []
     assert status(plain) == f" M {CHAPTER}\n"
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    assert "00_tiny" in subprocess.run(["git", "-C", str(plain), "diff", "--stat"], capture_output=True, text=True,
-                                       env=env).stdout
+    assert (
+        "00_tiny"
+        in subprocess.run(["git", "-C", str(plain), "diff", "--stat"], capture_output=True, text=True, env=env).stdout
+    )
 
 
 # --------------------------------------------------------------------------- every chapter, as make test runs it
@@ -267,8 +269,10 @@ def test_a_run_whose_compared_outputs_match_byte_for_byte_reads_as_unchanged():
     index = next(i for i, c in enumerate(nb.cells) if "nbval-check-output" in c.metadata.get("tags", []))
     text = "".join(nb.cells[index].outputs[0].text)
     first, rest = text.split("\n", 1)
-    split = [nbformat.v4.new_output("stream", name="stdout", text=first + "\n"),
-             nbformat.v4.new_output("stream", name="stdout", text=rest)]
+    split = [
+        nbformat.v4.new_output("stream", name="stdout", text=first + "\n"),
+        nbformat.v4.new_output("stream", name="stdout", text=rest),
+    ]
     assert not reads_as_modified_after_run(committed, {index: split})
     assert not reads_as_modified_after_run(committed, {})
 

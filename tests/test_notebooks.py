@@ -1,4 +1,5 @@
 """Notebook hygiene: Colab stamping, stripped outputs, chapter structure, gpu cells as leaves, links to follow."""
+
 import ast
 import json
 import re
@@ -31,7 +32,9 @@ def test_every_notebook_is_stamped_with_the_configured_badge_and_setup_cell():
 def test_badge_links_to_this_notebook_on_colab(path):
     nb = nbformat.read(path, as_version=4)
     cfg = colab.read_config(ROOT)
-    url = f"https://colab.research.google.com/github/{cfg['repo']}/blob/{cfg['ref']}/{path.relative_to(ROOT).as_posix()}"
+    url = (
+        f"https://colab.research.google.com/github/{cfg['repo']}/blob/{cfg['ref']}/{path.relative_to(ROOT).as_posix()}"
+    )
     assert f"]({url})" in nb.cells[0].source
     assert f"[Open this notebook in Colab]({url})" in nb.cells[0].source  # offline the badge image is broken
     assert nb.metadata["colab"]["gpuType"] == "T4" and nb.metadata["accelerator"] == "GPU"
@@ -104,8 +107,9 @@ def test_gpu_cells_guard_themselves(path):
             continue
         body = [s for s in ast.parse(cell.source).body if not isinstance(s, (ast.Import, ast.ImportFrom))]
         guard = body[0].test if len(body) == 1 and isinstance(body[0], ast.If) else None
-        assert isinstance(guard, ast.Call) and getattr(guard.func, "id", None) == "gpu_cell" and not body[0].orelse, \
+        assert isinstance(guard, ast.Call) and getattr(guard.func, "id", None) == "gpu_cell" and not body[0].orelse, (
             f"gpu cell {cell.id} must be `if gpu_cell(...):` around all of its code:\n{cell.source}"
+        )
 
 
 @pytest.mark.parametrize("path", ALL, ids=ids(ALL))
@@ -113,6 +117,7 @@ def test_a_gpu_cells_one_line_off_cuda_fits_in_100_characters(path):
     import inspect
 
     from course_lib.device import gpu_cell
+
     default = inspect.signature(gpu_cell).parameters["instead"].default
     for cell in nbformat.read(path, as_version=4).cells:
         if cell.cell_type == "code" and "gpu" in cell.metadata.get("tags", []):
@@ -178,8 +183,9 @@ def test_the_links_that_the_test_reads_are_the_ones_a_markdown_renderer_follows(
 @pytest.mark.parametrize("path", CHAPTERS, ids=ids(CHAPTERS))
 def test_notebook_and_readme_paths_are_links_not_code_spans(path):
     """A path to a notebook or a markdown file shown as `code` cannot be clicked; it must be a link."""
-    spans = [m.group(0) for source in _markdown(path)
-             for m in re.finditer(r"(?<!\[)`[^`\s]*\.(?:ipynb|md)`(?!\]\()", source)]
+    spans = [
+        m.group(0) for source in _markdown(path) for m in re.finditer(r"(?<!\[)`[^`\s]*\.(?:ipynb|md)`(?!\]\()", source)
+    ]
     assert not spans, f"{path.name}: make these links: {spans}"
 
 
@@ -190,6 +196,7 @@ def test_chapter_00_links_every_chapter_its_exercises_and_the_readme():
 
 
 # --------------------------------------------------------------------------- printed tables
+
 
 def test_the_targets_table_of_chapter_09_is_aligned_within_100_columns():
     from course_lib.chapters.ch09.targets import format_targets, targets

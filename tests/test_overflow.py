@@ -1,4 +1,5 @@
 """course_lib.chapters.ch03.overflow: forward hooks find the first layer whose output leaves fp16's range."""
+
 import torch
 import torch.nn.functional as F
 
@@ -16,13 +17,13 @@ def test_growing_mlp_works_in_fp32_and_overflows_in_the_middle_in_fp16():
     culprit = first_nonfinite(fp16)
     names = [r.name for r in fp16]
     assert culprit.kind == "Linear" and 0 < names.index(culprit.name) < names.index("norm")
-    before = fp16[:names.index(culprit.name)]
+    before = fp16[: names.index(culprit.name)]
     assert all(r.nonfinite == 0 and r.max_abs <= 65504 for r in before)
     assert fp16[-1].nonfinite > 0  # the NaN reaches the logits
 
 
 def test_the_trace_follows_execution_order_and_removes_its_hooks():
-    model = growing_mlp(depth=2, gain=2 ** 0.5)
+    model = growing_mlp(depth=2, gain=2**0.5)
     rows = trace_magnitudes(model, torch.randn(4, 1, 28, 28), device_type="cpu", dtype=torch.bfloat16)
     assert [r.name for r in rows] == ["flatten", "fc1", "relu1", "fc2", "relu2", "norm", "head"]
     assert rows[1].dtype == "bfloat16" and first_nonfinite(rows) is None

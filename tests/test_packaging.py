@@ -1,4 +1,5 @@
 """What a Colab user installs: floors only, never a pin or a ceiling (Colab keeps its own torch)."""
+
 import re
 import subprocess
 import sys
@@ -13,6 +14,7 @@ def dependencies() -> list[str]:
     if sys.version_info < (3, 11):
         pytest.skip("tomllib needs Python 3.11")
     import tomllib
+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     return project["dependencies"] + [d for extra in project["optional-dependencies"].values() for d in extra]
 
@@ -45,8 +47,9 @@ NEWEST_APIS = {
 def test_the_declared_torch_floor_has_every_api_the_course_calls():
     floor = next(d for d in dependencies() if d.startswith("torch>="))
     declared = tuple(int(p) for p in floor.split(">=")[1].split(".")[:2])
-    sources = "".join(p.read_text() for p in (ROOT / "course_lib").rglob("*.py")) + \
-        "".join(p.read_text() for p in (ROOT / "notebooks").glob("*.ipynb"))
+    sources = "".join(p.read_text() for p in (ROOT / "course_lib").rglob("*.py")) + "".join(
+        p.read_text() for p in (ROOT / "notebooks").glob("*.ipynb")
+    )
     for api, since in NEWEST_APIS.items():
         assert api in sources, f"{api!r} is no longer used: drop it from the table"
         assert declared >= since, f"{api!r} needs torch>={since[0]}.{since[1]}; pyproject.toml declares {floor}"
@@ -54,8 +57,13 @@ def test_the_declared_torch_floor_has_every_api_the_course_calls():
 
 def test_make_test_floor_pins_exactly_the_declared_floors():
     # `make test-floor` installs against these lines: raising a floor in pyproject.toml moves the target
-    done = subprocess.run([sys.executable, "tools/floor_constraints.py", "pyproject.toml"], cwd=ROOT,
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "tools/floor_constraints.py", "pyproject.toml"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     floors = [d.replace(">=", "==") for d in dependencies() if d.startswith(("torch>=", "torchvision>="))]
     assert done.stdout.split() == floors
 
@@ -73,10 +81,14 @@ def test_make_help_lists_every_target_and_clean_removes_build():
 
 
 def test_make_test_chapter_finds_a_chapters_notebooks_and_tests():
-    paths = subprocess.run([sys.executable, "tools/chapter_tests.py", "07"], cwd=ROOT, capture_output=True,
-                           text=True, check=True).stdout.split()
-    assert paths[:3] == ["notebooks/07_loading.ipynb", "exercises/07_loading_exercises.ipynb",
-                         "solutions/07_loading_exercises.ipynb"]
+    paths = subprocess.run(
+        [sys.executable, "tools/chapter_tests.py", "07"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert paths[:3] == [
+        "notebooks/07_loading.ipynb",
+        "exercises/07_loading_exercises.ipynb",
+        "solutions/07_loading_exercises.ipynb",
+    ]
     assert {"tests/test_checks_ch07.py", "tests/test_loading.py", "tests/test_grade_a_chapter.py"} <= set(paths)
     wrong = subprocess.run([sys.executable, "tools/chapter_tests.py", "7"], cwd=ROOT, capture_output=True, text=True)
     assert wrong.returncode != 0 and "two digits" in wrong.stderr

@@ -1,4 +1,5 @@
 """Chapter 06's library: the profiler wrapper, the trace reader, the diagnosis, the pictures, the CLI."""
+
 from __future__ import annotations
 
 import gzip
@@ -24,16 +25,24 @@ matplotlib.use("Agg")
 def tiny_trainer(**opt) -> tuple[Trainer, list]:
     torch.manual_seed(0)
     model = MLP(in_features=16, hidden=8, depth=2)
-    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), **opt),
-                      TrainConfig(precision="fp32", device="cpu", progress=False))
+    trainer = Trainer(
+        model, torch.optim.AdamW(model.parameters(), **opt), TrainConfig(precision="fp32", device="cpu", progress=False)
+    )
     return trainer, [(torch.randn(4, 16), torch.randint(0, 10, (4,)))]
 
 
 @pytest.fixture(scope="module")
 def cpu_trace(tmp_path_factory):
     trainer, batch = tiny_trainer()
-    run = P.profile_steps(lambda: trainer.train_step(batch), wait=1, warmup=1, active=3,
-                          trace_dir=tmp_path_factory.mktemp("traces"), record_shapes=True, profile_memory=True)
+    run = P.profile_steps(
+        lambda: trainer.train_step(batch),
+        wait=1,
+        warmup=1,
+        active=3,
+        trace_dir=tmp_path_factory.mktemp("traces"),
+        record_shapes=True,
+        profile_memory=True,
+    )
     return run, T.load_trace(run.traces[-1])
 
 
@@ -95,9 +104,12 @@ def test_show_traces_lists_sizes_and_links_the_files_relative_to_the_chapters(tm
 
 def test_the_profilers_banners_are_dropped_and_other_stderr_is_kept(capfd):
     with P.quiet_profiler():
-        os.write(2, b"USDT:2026 SyncActivityProfilerHandler.cpp:39] profiler_start\n"
-                    b"ERROR:2026 DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35\n"
-                    b"something a learner must see\n")
+        os.write(
+            2,
+            b"USDT:2026 SyncActivityProfilerHandler.cpp:39] profiler_start\n"
+            b"ERROR:2026 DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35\n"
+            b"something a learner must see\n",
+        )
     err = capfd.readouterr().err
     assert "something a learner must see" in err and "USDT" not in err and "gpuGetDeviceCount" not in err
 
@@ -146,18 +158,55 @@ def gpu_trace(data_us: float = 0, kernel_us: float = 800, dtype: str = "c10::BFl
     ev = []
     for i in range(3):
         t = 1000.0 * i
-        ev += [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i + 2}", "ts": t, "dur": 1000, "tid": 1},
-               {"ph": "X", "cat": "gpu_user_annotation", "name": f"ProfilerStep#{i + 2}", "ts": t + 50, "dur": 990,
-                "tid": 7},
-               {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": t + 10 + data_us, "dur": 30, "tid": 1,
-                "args": {"Input type": [dtype, dtype]}},
-               {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t + 20 + data_us, "dur": 5,
-                "tid": 1, "args": {"correlation": 100 + i}},
-               {"ph": "X", "cat": "kernel", "name": "sm90_gemm", "ts": t + 100 + data_us, "dur": kernel_us, "tid": 7,
-                "args": {"correlation": 100 + i}}]
+        ev += [
+            {"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i + 2}", "ts": t, "dur": 1000, "tid": 1},
+            {
+                "ph": "X",
+                "cat": "gpu_user_annotation",
+                "name": f"ProfilerStep#{i + 2}",
+                "ts": t + 50,
+                "dur": 990,
+                "tid": 7,
+            },
+            {
+                "ph": "X",
+                "cat": "cpu_op",
+                "name": "aten::mm",
+                "ts": t + 10 + data_us,
+                "dur": 30,
+                "tid": 1,
+                "args": {"Input type": [dtype, dtype]},
+            },
+            {
+                "ph": "X",
+                "cat": "cuda_runtime",
+                "name": "cudaLaunchKernel",
+                "ts": t + 20 + data_us,
+                "dur": 5,
+                "tid": 1,
+                "args": {"correlation": 100 + i},
+            },
+            {
+                "ph": "X",
+                "cat": "kernel",
+                "name": "sm90_gemm",
+                "ts": t + 100 + data_us,
+                "dur": kernel_us,
+                "tid": 7,
+                "args": {"correlation": 100 + i},
+            },
+        ]
         if data_us:
-            ev.append({"ph": "X", "cat": "user_annotation", "name": "enumerate(DataLoader)#_SingleProcessDataLoaderIter"
-                       ".__next__", "ts": t + 1, "dur": data_us, "tid": 1})
+            ev.append(
+                {
+                    "ph": "X",
+                    "cat": "user_annotation",
+                    "name": "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__",
+                    "ts": t + 1,
+                    "dur": data_us,
+                    "tid": 1,
+                }
+            )
     return {"traceEvents": ev}
 
 
@@ -178,9 +227,21 @@ def test_a_gpu_trace_links_kernels_to_the_ops_that_launched_them():
 
 def test_the_cpu_rule_for_overhead_is_the_length_of_the_ops_doing_the_work():
     def summary(kernel_us: float, kernels: int) -> dict:
-        return {"device": "cpu", "step_ms": 10.0, "ops": [{"name": "aten::linear", "calls": 1, "cpu_ms": 9.0,
-                                                           "device_ms": kernel_us * kernels / 1e3, "kernels": kernels,
-                                                           "input_types": ["float"]}]}
+        return {
+            "device": "cpu",
+            "step_ms": 10.0,
+            "ops": [
+                {
+                    "name": "aten::linear",
+                    "calls": 1,
+                    "cpu_ms": 9.0,
+                    "device_ms": kernel_us * kernels / 1e3,
+                    "kernels": kernels,
+                    "input_types": ["float"],
+                }
+            ],
+        }
+
     assert T.diagnose_trace(summary(5, 1000)) == ("overhead", "fewer_launches")
     assert T.diagnose_trace(summary(2000, 4)) == ("compute", "amp")
 
@@ -208,6 +269,7 @@ def test_timing_three_ways_and_the_cost_of_a_read_back():
     def make_step():
         calls.append("fresh")
         return lambda: time.sleep(0.002)
+
     ways = M.naive_vs_proper(make_step, "cpu", repeats=3, iters=4)
     assert list(ways) == ["naive", "no sync", "proper"] and len(calls) == 3
     assert len(ways["naive"].times_ms) == 3 and len(ways["proper"].times_ms) == 4
@@ -222,12 +284,16 @@ def test_the_recording_cli_writes_summaries_that_format_profiling_reference_read
 
     def tiny_make_trainer(precision="fp32", device="auto", width=None, batch=None, log_every=10):
         return small(precision, device, width=4, batch=8, log_every=log_every)
+
     for module in (P, M):  # looked up by profiling's _record_all and by measured_steps' sync_cost, naive_vs_proper
         monkeypatch.setattr(module, "make_trainer", tiny_make_trainer)
-        monkeypatch.setattr(module, "time_fn",
-                            lambda fn, iters=10, **kw: time_fn(fn, **{**kw, "warmup": 1, "iters": 3}))
-    for name, fast in (("sync_cost", lambda device, **kw: sync_cost(device, steps=2, iters=2, **kw)),
-                       ("naive_vs_proper", lambda make, device: naive_vs_proper(make, device, repeats=2, iters=3))):
+        monkeypatch.setattr(
+            module, "time_fn", lambda fn, iters=10, **kw: time_fn(fn, **{**kw, "warmup": 1, "iters": 3})
+        )
+    for name, fast in (
+        ("sync_cost", lambda device, **kw: sync_cost(device, steps=2, iters=2, **kw)),
+        ("naive_vs_proper", lambda make, device: naive_vs_proper(make, device, repeats=2, iters=3)),
+    ):
         monkeypatch.setattr(P, name, fast)  # the real sizes take minutes on a CPU
     trainer, batch = tiny_trainer(foreach=False)
     monkeypatch.setattr(P, "bottleneck_steps", lambda device: {"overhead": lambda: trainer.train_step(batch)})
@@ -239,8 +305,12 @@ def test_the_recording_cli_writes_summaries_that_format_profiling_reference_read
     assert all(len(v["summary"]["ops"]) <= 9 for v in ref["steps"].values())  # 8 heaviest + the rest, summed
     assert out.stat().st_size < 100_000  # summaries, not traces
     ref["memory"] = {"fp32": dict.fromkeys(("start", "forward", "backward", "optimizer", "end"), 1.0)}
-    ref["snapshot"] = {"allocs": 3, "peak_mib": 2.0, "reserved_mib": 4.0,
-                       "largest": [{"mib": 1.0, "where": "profiling.py:1 step"}]}
+    ref["snapshot"] = {
+        "allocs": 3,
+        "peak_mib": 2.0,
+        "reserved_mib": 4.0,
+        "largest": [{"mib": 1.0, "where": "profiling.py:1 step"}],
+    }
     for part in ("steps", "bottlenecks", "sync", "timing", "memory"):
         text = P.format_profiling_reference(ref, part)
         assert text and all(len(line) <= 100 for line in text.splitlines()), part
@@ -259,32 +329,40 @@ def _frame(filename, line, name):
     return {"filename": filename, "line": line, "name": name}
 
 
-CPP_BACKWARD = [_frame("??", 0, "torch::unwind::unwind()"),
-                _frame("??", 0, "c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc(...)"),
-                _frame("??", 0, "at::native::empty_cuda(...)"),
-                _frame("??", 0, "torch::autograd::generated::ConvolutionBackward0::apply(std::vector<at::Tensor>&&)"),
-                _frame("??", 0, "torch::autograd::Engine::evaluate_function(...)"),
-                _frame("??", 0, "torch::autograd::Engine::thread_main(std::shared_ptr<GraphTask> const&)")]
+CPP_BACKWARD = [
+    _frame("??", 0, "torch::unwind::unwind()"),
+    _frame("??", 0, "c10::cuda::CUDACachingAllocator::Native::DeviceCachingAllocator::malloc(...)"),
+    _frame("??", 0, "at::native::empty_cuda(...)"),
+    _frame("??", 0, "torch::autograd::generated::ConvolutionBackward0::apply(std::vector<at::Tensor>&&)"),
+    _frame("??", 0, "torch::autograd::Engine::evaluate_function(...)"),
+    _frame("??", 0, "torch::autograd::Engine::thread_main(std::shared_ptr<GraphTask> const&)"),
+]
 ENGINE_ONLY = [_frame("??", 0, "torch::unwind::unwind()"), _frame("??", 0, "torch::autograd::Engine::thread_main()")]
 NO_AUTOGRAD = [_frame("??", 0, "torch::unwind::unwind()"), _frame("??", 0, "ncclKernelLaunch")]
-FORWARD = [_frame("??", 0, "torch::unwind::unwind()"),
-           _frame("/usr/lib/python3/site-packages/torch/nn/modules/conv.py", 548, "_conv_forward"),
-           _frame("/work/course/course_lib/models.py", 37, "forward"),
-           _frame("/tmp/ipykernel_1/123.py", 4, "<module>")]
+FORWARD = [
+    _frame("??", 0, "torch::unwind::unwind()"),
+    _frame("/usr/lib/python3/site-packages/torch/nn/modules/conv.py", 548, "_conv_forward"),
+    _frame("/work/course/course_lib/models.py", 37, "forward"),
+    _frame("/tmp/ipykernel_1/123.py", 4, "<module>"),
+]
 
 
 def test_snapshot_allocations_are_placed_by_python_frame_and_backward_ones_are_named():
     # A fake snapshot shaped like torch.cuda.memory._snapshot(): innermost frame first, as the allocator records
-    MiB = 2 ** 20
-    snap = {"segments": [{"total_size": 8 * MiB}, {"total_size": 2 * MiB}],
-            "device_traces": [[
+    MiB = 2**20
+    snap = {
+        "segments": [{"total_size": 8 * MiB}, {"total_size": 2 * MiB}],
+        "device_traces": [
+            [
                 {"action": "alloc", "size": 3 * MiB, "frames": FORWARD},
                 {"action": "alloc", "size": 4 * MiB, "frames": CPP_BACKWARD},
                 {"action": "free_requested", "size": 3 * MiB, "frames": FORWARD},
                 {"action": "free_completed", "size": 3 * MiB, "frames": FORWARD},
                 {"action": "alloc", "size": 1 * MiB, "frames": ENGINE_ONLY},
                 {"action": "alloc", "size": 2 * MiB, "frames": NO_AUTOGRAD},
-            ]]}
+            ]
+        ],
+    }
     s = M.summarise_snapshot(snap)
     assert s["allocs"] == 4 and s["peak_mib"] == 7.0 and s["reserved_mib"] == 10.0
     assert [(a["mib"], a["where"]) for a in s["largest"]] == [
@@ -300,16 +378,28 @@ def test_snapshot_allocations_are_placed_by_python_frame_and_backward_ones_are_n
 
 
 def test_a_recorded_snapshot_without_python_frames_reads_as_autograd_backward():
-    ref = {"memory": {}, "snapshot": {"allocs": 2, "peak_mib": 2.0, "reserved_mib": 4.0, "largest": [
-        {"mib": 1.5, "where": "??:0 torch::unwind::unwind()"}, {"mib": 1.0, "where": "models.py:37 forward"}]}}
+    ref = {
+        "memory": {},
+        "snapshot": {
+            "allocs": 2,
+            "peak_mib": 2.0,
+            "reserved_mib": 4.0,
+            "largest": [
+                {"mib": 1.5, "where": "??:0 torch::unwind::unwind()"},
+                {"mib": 1.0, "where": "models.py:37 forward"},
+            ],
+        },
+    }
     text = P.format_profiling_reference(ref, "memory")
     assert "1.5 MiB  autograd backward (no Python frame)" in text and "1.0 MiB  models.py:37 forward" in text
     assert "first C++ frame" in text and all(len(line) <= 100 for line in text.splitlines())
 
 
 def test_the_snapshot_is_read_against_the_phase_table_reserved_against_the_largest_peak():
-    phases = {"fp32": {"start": 90.0, "forward": 1500.0, "backward": 2000.0, "optimizer": 91.0, "end": 90.0},
-              "bf16": {"start": 90.0, "forward": 1000.0, "backward": 1190.0, "optimizer": 91.0, "end": 90.0}}
+    phases = {
+        "fp32": {"start": 90.0, "forward": 1500.0, "backward": 2000.0, "optimizer": 91.0, "end": 90.0},
+        "bf16": {"start": 90.0, "forward": 1000.0, "backward": 1190.0, "optimizer": 91.0, "end": 90.0},
+    }
     ref = {"memory": phases, "snapshot": {"allocs": 3, "peak_mib": 1100.0, "reserved_mib": 8000.0, "largest": []}}
     text = " ".join(P.format_profiling_reference(ref, "memory").split())
     # the snapshot is of the last precision's step: its peak above the start adds up to that step's backward peak
@@ -323,8 +413,11 @@ def _ways(naive, nosync, proper):
 
 def test_the_three_timings_are_read_against_each_other():
     # The H100 record of 2026-11-26, rounded: a first call 0.58 ms long, 0.65 ms left queued: they cancel
-    h100 = _ways([3.65, 2.84, 2.79, 2.45, 2.55], [2.21, 2.34, 2.22, 2.23, 2.19, 2.27, 1.99, 1.85, 6.16, 2.04],
-                 [2.80, 2.92, 2.96, 2.85, 2.82, 2.95, 2.91, 2.88, 2.78, 2.81])
+    h100 = _ways(
+        [3.65, 2.84, 2.79, 2.45, 2.55],
+        [2.21, 2.34, 2.22, 2.23, 2.19, 2.27, 1.99, 1.85, 6.16, 2.04],
+        [2.80, 2.92, 2.96, 2.85, 2.82, 2.95, 2.91, 2.88, 2.78, 2.81],
+    )
     text = M.read_timing_ways(h100)
     assert "naive - no sync  = +0.58 ms" in text and "proper - no sync = +0.65 ms" in text and "cancel" in text
     cpu = M.read_timing_ways(_ways([9.0, 9.5, 10.0], [5.0, 5.1, 4.9, 5.0], [5.0, 5.05, 4.95, 5.1]))
@@ -343,6 +436,7 @@ def test_a_first_call_within_the_spread_is_not_read_as_a_cost():
 
 
 # --------------------------------------------------------------------------- what the chapter leaves on disk
+
 
 def new_in_temp(folder) -> list[str]:
     """What appeared in a (redirected) system temporary folder. torch's own compile cache,
@@ -372,8 +466,9 @@ def test_chapter_06_writes_one_trace_per_experiment_under_runs_and_nothing_in_th
     trainer, batch = tiny_trainer()
     written = {}
     for name, memory in (("fp32_memory", True), ("autocast_fp32", False), ("bottleneck_compute", False)):
-        run = P.profile_steps(lambda: trainer.train_step(batch), trace_dir=folder, name=name, record_shapes=True,
-                              profile_memory=memory)
+        run = P.profile_steps(
+            lambda: trainer.train_step(batch), trace_dir=folder, name=name, record_shapes=True, profile_memory=memory
+        )
         written[name] = T.load_trace(run.traces[-1])
     assert sorted(p.name for p in folder.iterdir()) == sorted(f"{n}_5.pt.trace.json" for n in written)
     memory_events = {n: sum(e.get("name") == "[memory]" for e in t["traceEvents"]) for n, t in written.items()}
@@ -398,8 +493,27 @@ def test_exercise_06s_profile_is_read_and_removed_with_its_temporary_folder(syst
 
 def test_the_timelines_are_titled_in_words():
     assert set(T.DIAGNOSES) == {"data", "overhead", "compute"}
-    ref = {"bottlenecks": {"data": {"summary": {"device": "cpu", "steps": 3, "step_ms": 10.0, "ops": [
-        {"name": "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", "calls": 1, "cpu_ms": 6.0,
-         "device_ms": 0.0, "kernels": 0, "input_types": []}]}, "diagnosis": ["data", "more_workers"]}}}
+    ref = {
+        "bottlenecks": {
+            "data": {
+                "summary": {
+                    "device": "cpu",
+                    "steps": 3,
+                    "step_ms": 10.0,
+                    "ops": [
+                        {
+                            "name": "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__",
+                            "calls": 1,
+                            "cpu_ms": 6.0,
+                            "device_ms": 0.0,
+                            "kernels": 0,
+                            "input_types": [],
+                        }
+                    ],
+                },
+                "diagnosis": ["data", "more_workers"],
+            }
+        }
+    }
     text = P.format_profiling_reference(ref, "bottlenecks")
     assert "data: diagnosed waiting for data; fix: load and transform" in text

@@ -1,4 +1,5 @@
 """README.md: the performance table is the recorded reference results, not numbers typed in."""
+
 import re
 from pathlib import Path
 
@@ -14,17 +15,20 @@ def _cell(value: float) -> str:  # as format_targets writes it
 
 def test_the_readmes_performance_table_is_recomputed_from_the_recorded_files():
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Performance targets"):text.index("## Hardware notes")]
+    section = text[text.index("## Performance targets") : text.index("## Hardware notes")]
     kinds = ("ladder_resnet50", "ladder_gpt", "ladder_course")
     files = {kind: load_references(f"{kind}_h100-80gb-hbm3.json") for kind in kinds}
     assert all(len(refs) == 1 for refs in files.values()), "the files the README names are in data/reference/"
     assert all(f"{kind}_h100-80gb-hbm3.json" in section for kind in files)
     prov = files["ladder_resnet50"][0]["provenance"]
     assert prov["device"] in section and prov["torch"] in section and prov["date"] in section
-    rows = targets(files["ladder_resnet50"][0]["resnet50"], files["ladder_gpt"][0]["gpt"],
-                   files["ladder_course"][0]["course"])
-    table = {m.group(1).strip(): [c.strip() for c in m.group(2).split("|")]
-             for m in re.finditer(r"^\| ([^|]+) \|(.*)\|$", section, flags=re.M)}
+    rows = targets(
+        files["ladder_resnet50"][0]["resnet50"], files["ladder_gpt"][0]["gpt"], files["ladder_course"][0]["course"]
+    )
+    table = {
+        m.group(1).strip(): [c.strip() for c in m.group(2).split("|")]
+        for m in re.finditer(r"^\| ([^|]+) \|(.*)\|$", section, flags=re.M)
+    }
     for r in rows:
         target, stretch, measured, met, stretch_met = table[r["goal"]]
         assert measured == _cell(r["value"]), r["goal"]
@@ -36,7 +40,7 @@ def test_the_readmes_performance_table_is_recomputed_from_the_recorded_files():
 
 def test_the_readmes_readings_of_the_targets_are_the_recorded_numbers():
     text = " ".join((ROOT / "README.md").read_text().split())
-    section = text[text.index("## Performance targets"):text.index("## Hardware notes")]
+    section = text[text.index("## Performance targets") : text.index("## Hardware notes")]
     rows = {r["mode"]: r for r in load_references("ladder_resnet50_h100-80gb-hbm3.json")[0]["resnet50"]}
     fp16_vs_tf32 = rows["AMP fp16 + channels_last"]["samples_per_s"] / rows["TF32 + channels_last"]["samples_per_s"]
     bf16_vs_tf32 = rows["AMP bf16 + channels_last"]["samples_per_s"] / rows["TF32 + channels_last"]["samples_per_s"]

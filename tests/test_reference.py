@@ -1,5 +1,6 @@
 """course_lib.reference: recorded results carry provenance; show_reference prints them in full, or one line
 without, and returns None: under nbval and nbclient a trailing `;` does not hide a cell's result."""
+
 import builtins
 import json
 from pathlib import Path
@@ -23,14 +24,20 @@ def test_record_prints_the_table_under_its_provenance_and_writes_json(tmp_path, 
 
 def test_show_reference_prints_each_record_with_where_it_was_measured(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(reference, "REFERENCE_DIR", tmp_path)
-    prov = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.9.0", "cuda": "12.8", "date": "2026-01-01",
-            "command": "python -m course_lib.chapters.ch00.bench --json bench_h100.json"}
+    prov = {
+        "device": "NVIDIA H100 80GB HBM3",
+        "torch": "2.9.0",
+        "cuda": "12.8",
+        "date": "2026-01-01",
+        "command": "python -m course_lib.chapters.ch00.bench --json bench_h100.json",
+    }
     (tmp_path / "bench_h100.json").write_text(json.dumps({"provenance": prov, "rows": [1, 2]}))
     shown = reference.show_reference("bench_*.json", lambda r: f"{len(r['rows'])} rows")
     text = capsys.readouterr().out
     assert shown is None, "a cell ending in show_reference(...) must show what it printed, not the records"
     assert "(bench_h100.json)" in text and [r["file"] for r in reference.load_references("bench_*.json")] == [
-        "bench_h100.json"]
+        "bench_h100.json"
+    ]
     assert "NVIDIA H100 80GB HBM3 | torch 2.9.0 | CUDA 12.8 | 2026-01-01" in text and "2 rows" in text
     assert "command: python -m course_lib.chapters.ch00.bench" in text
 
@@ -50,8 +57,9 @@ def test_every_erratum_in_data_reference_goes_with_values_set_to_null():
     # an erratum withdraws values; it never replaces them with typed-in ones
     for ref in reference.load_references():
         if "erratum" in ref:
-            assert "withdrawn" in ref["erratum"] and "null" in json.dumps({k: v for k, v in ref.items()
-                                                                          if k not in ("provenance", "erratum")})
+            assert "withdrawn" in ref["erratum"] and "null" in json.dumps(
+                {k: v for k, v in ref.items() if k not in ("provenance", "erratum")}
+            )
 
 
 def test_show_reference_without_a_record_prints_at_most_one_short_line(tmp_path, monkeypatch, capsys):
@@ -74,19 +82,27 @@ class _EarlierCells(dict):
         return object()
 
 
-def test_every_chapter_cell_that_shows_a_reference_prints_one_line_per_call_without_a_record(tmp_path, monkeypatch,
-                                                                                              capsys):
+def test_every_chapter_cell_that_shows_a_reference_prints_one_line_per_call_without_a_record(
+    tmp_path, monkeypatch, capsys
+):
     monkeypatch.setattr(reference, "REFERENCE_DIR", tmp_path)
     calls = []
     show = reference.show_reference
     monkeypatch.setattr(reference, "show_reference", lambda *a, **k: calls.append(a) or show(*a, **k))
-    cells = [(p.name, c) for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-             for c in nbformat.read(p, as_version=4).cells if c.cell_type == "code" and "show_reference(" in c.source]
+    cells = [
+        (p.name, c)
+        for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+        for c in nbformat.read(p, as_version=4).cells
+        if c.cell_type == "code" and "show_reference(" in c.source
+    ]
     assert len(cells) >= 10
     for name, cell in cells:
         calls.clear()
-        exec(compile(cell.source, f"{name}:{cell.id}", "exec"), {"show_reference": reference.show_reference},
-             _EarlierCells(show_reference=reference.show_reference, load_references=reference.load_references))
+        exec(
+            compile(cell.source, f"{name}:{cell.id}", "exec"),
+            {"show_reference": reference.show_reference},
+            _EarlierCells(show_reference=reference.show_reference, load_references=reference.load_references),
+        )
         lines = capsys.readouterr().out.splitlines()
         assert calls and len(lines) <= len(calls), f"{name}, cell {cell.id} prints {len(lines)} lines: {lines}"
         assert all(len(line) <= 100 and line.startswith("No GPU reference recorded yet") for line in lines), lines

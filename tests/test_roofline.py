@@ -1,5 +1,6 @@
 """course_lib.chapters.ch11: the roofline's arithmetic, its prediction on this CPU and on the recorded
 H100, and FP8 scaling by hand against torch._scaled_mm."""
+
 import logging
 import time
 import types
@@ -161,8 +162,11 @@ def test_a_channels_last_convolution_is_predicted_from_the_convolution_ceiling_o
 
 
 @pytest.mark.timing
-@pytest.mark.skipif(not torch_at_least("2.7"), reason="one thread needs torch >= 2.7: on 2.6 a compiled CPU kernel "
-                    f"from Inductor's cache ran on 2 threads after set_num_threads(1); this is {torch.__version__}")
+@pytest.mark.skipif(
+    not torch_at_least("2.7"),
+    reason="one thread needs torch >= 2.7: on 2.6 a compiled CPU kernel "
+    f"from Inductor's cache ran on 2 threads after set_num_threads(1); this is {torch.__version__}",
+)
 def test_compiling_a_memory_bound_chain_fuses_it_into_fewer_passes_on_this_cpu(one_thread_on_its_cpu_time, caplog):
     # A compile that no longer fuses (no 1.3x) fails in every attempt, and so does a prediction twice too
     # long (a bandwidth from the bytes read alone). On one thread the copy that gives the bandwidth moves
@@ -179,9 +183,12 @@ def test_compiling_a_memory_bound_chain_fuses_it_into_fewer_passes_on_this_cpu(o
         return fused["measured"] < eager["measured"] / 1.3 and 0.5 < fused["predicted"] / fused["measured"] < 2.5
 
     *_, (eager, fused) = tried = first_within(
-        lambda: fusion_rows(measure_ceilings("cpu", dtypes=("fp32",), size=256, copy_mib=64)), holds)
-    seen = [(f"{e['measured'] / f['measured']:.2f}x faster", f"predicted {f['predicted'] / f['measured']:.2f}x")
-            for e, f in tried]
+        lambda: fusion_rows(measure_ceilings("cpu", dtypes=("fp32",), size=256, copy_mib=64)), holds
+    )
+    seen = [
+        (f"{e['measured'] / f['measured']:.2f}x faster", f"predicted {f['predicted'] / f['measured']:.2f}x")
+        for e, f in tried
+    ]
     assert (eager["passes"], fused["passes"]) == (11, 5)
     assert fused["measured"] < eager["measured"] / 1.3, (eager, fused, seen)
     assert 0.5 < fused["predicted"] / fused["measured"] < 2.5, (fused, seen)
@@ -202,8 +209,10 @@ def test_the_recorded_large_matmuls_are_within_twenty_percent_and_odd_shapes_are
 def needs_cpu_scaled_mm(granularity: str) -> pytest.MarkDecorator:
     """Skip a test that runs torch._scaled_mm on a CPU where this torch cannot (fp8.SCALED_MM_ON_CPU)."""
     need = SCALED_MM_ON_CPU[granularity]
-    return pytest.mark.skipif(not torch_at_least(need), reason=f"{granularity} scales in torch._scaled_mm on a "
-                              f"CPU need torch >= {need}; this is {torch.__version__}")
+    return pytest.mark.skipif(
+        not torch_at_least(need),
+        reason=f"{granularity} scales in torch._scaled_mm on a CPU need torch >= {need}; this is {torch.__version__}",
+    )
 
 
 @pytest.mark.parametrize("granularity", [pytest.param(g, marks=needs_cpu_scaled_mm(g)) for g in SCALED_MM_ON_CPU])
@@ -262,8 +271,11 @@ def test_a_profiled_op_gets_the_roofline_cost_of_its_kind():
 
     mm = {"op": "aten::mm", "dims": [[8, 4], [4, 2]], "types": ["c10::BFloat16", "c10::BFloat16"]}
     assert recorded_op_cost(mm, 0) == ("matmul", 2 * 8 * 4 * 2, 2 * (32 + 8 + 16))
-    addmm = {"op": "aten::addmm", "dims": [[2], [8, 4], [4, 2], [], []],
-             "types": ["float", "float", "float", "Scalar", "Scalar"]}
+    addmm = {
+        "op": "aten::addmm",
+        "dims": [[2], [8, 4], [4, 2], [], []],
+        "types": ["float", "float", "float", "Scalar", "Scalar"],
+    }
     assert recorded_op_cost(addmm, 0)[:2] == ("matmul", 2 * 8 * 4 * 2)
     attn = {"op": "aten::_cudnn_attention_backward", "dims": [[2, 3, 16, 8]] * 4, "types": ["c10::BFloat16"] * 4}
     assert recorded_op_cost(attn, 0)[1] == 2.5 * 2 * 2 * 3 * 16 * 16 * 8

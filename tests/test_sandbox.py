@@ -4,6 +4,7 @@ modules the task forbids.
 The grader's class test (test_grader.py) shows the consequences; this one looks inside the sandbox
 directly, with a script that reports what it can see and do.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,20 +64,47 @@ def seen(tmp_path_factory) -> dict:
     box.mkdir()
     submissions, gradebook = tmp_path_factory.mktemp("submissions"), tmp_path_factory.mktemp("gradebook")
     (gradebook / "gradebook.jsonl").write_text("{}")
-    env = {**sandbox.environment(box, "look", {}, library),
-           **sandbox.namespace_env(box, library, [workspace, submissions, gradebook])}
-    look = [str(ROOT / "solutions"), str(ROOT / "course_lib" / "tooling" / "checks"), str(ROOT / "exercises"),
-            str(other / "work" / "01_formats_exercises.ipynb"), str(submissions), str(gradebook / "gradebook.jsonl"),
-            str(library / "course_lib" / "tooling" / "checks"), str(library / "course_lib" / "tooling" / "grader"),
-            str(Path.home() / ".bashrc"), str(library / "data" / "fashion_mnist_20k.npz"), str(box / "work")]
-    write = [str(box / "work" / "mine.txt"), str(library / "course_lib" / "evil.py"), "/usr/evil", "/tmp/scratch",
-             str(Path(sys.prefix) / "evil")]
-    done = subprocess.run(sandbox.command("namespaces", [sys.executable, "-c", LOOK, json.dumps(look),
-                                                         json.dumps(write)]),
-                          env=env, cwd=box, capture_output=True, text=True, timeout=120)
+    env = {
+        **sandbox.environment(box, "look", {}, library),
+        **sandbox.namespace_env(box, library, [workspace, submissions, gradebook]),
+    }
+    look = [
+        str(ROOT / "solutions"),
+        str(ROOT / "course_lib" / "tooling" / "checks"),
+        str(ROOT / "exercises"),
+        str(other / "work" / "01_formats_exercises.ipynb"),
+        str(submissions),
+        str(gradebook / "gradebook.jsonl"),
+        str(library / "course_lib" / "tooling" / "checks"),
+        str(library / "course_lib" / "tooling" / "grader"),
+        str(Path.home() / ".bashrc"),
+        str(library / "data" / "fashion_mnist_20k.npz"),
+        str(box / "work"),
+    ]
+    write = [
+        str(box / "work" / "mine.txt"),
+        str(library / "course_lib" / "evil.py"),
+        "/usr/evil",
+        "/tmp/scratch",
+        str(Path(sys.prefix) / "evil"),
+    ]
+    done = subprocess.run(
+        sandbox.command("namespaces", [sys.executable, "-c", LOOK, json.dumps(look), json.dumps(write)]),
+        env=env,
+        cwd=box,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
-    return {"report": json.loads(done.stdout.strip().splitlines()[-1]), "library": library, "box": box,
-            "other": other, "submissions": submissions, "gradebook": gradebook}
+    return {
+        "report": json.loads(done.stdout.strip().splitlines()[-1]),
+        "library": library,
+        "box": box,
+        "other": other,
+        "submissions": submissions,
+        "gradebook": gradebook,
+    }
 
 
 def test_the_checkout_solutions_and_checks_are_not_there(seen):
@@ -138,11 +166,19 @@ def test_the_loopback_is_up_without_iproute2(tmp_path):
     box.mkdir()
     env = {**sandbox.environment(box, "lo", {}, library), **sandbox.namespace_env(box, library, [tmp_path])}
     env["PATH"] = f"{fake}:{env['PATH']}"
-    talk = ("import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
-            "c = socket.create_connection(s.getsockname(), timeout=5); a, _ = s.accept(); c.sendall(b'ok'); "
-            "print(a.recv(2).decode())")
-    done = subprocess.run(sandbox.command("namespaces", [sys.executable, "-c", talk]), env=env, cwd=box,
-                          capture_output=True, text=True, timeout=60)
+    talk = (
+        "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
+        "c = socket.create_connection(s.getsockname(), timeout=5); a, _ = s.accept(); c.sendall(b'ok'); "
+        "print(a.recv(2).decode())"
+    )
+    done = subprocess.run(
+        sandbox.command("namespaces", [sys.executable, "-c", talk]),
+        env=env,
+        cwd=box,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (done.returncode, done.stdout.strip()) == (0, "ok"), done.stderr
 
 
@@ -179,8 +215,14 @@ def test_a_tasks_forbidden_modules_are_absent_however_they_are_imported(tmp_path
     box.mkdir()
     masks = sandbox.absent_modules(("statistics", "course_lib.chapters"), library, tmp_path / "stand-ins", "forbidden")
     env = {**sandbox.environment(box, "absent", {}, library), **sandbox.namespace_env(box, library, [tmp_path], masks)}
-    done = subprocess.run(sandbox.command("namespaces", [sys.executable, "-c", ABSENT_LOOK]), env=env, cwd=box,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        sandbox.command("namespaces", [sys.executable, "-c", ABSENT_LOOK]),
+        env=env,
+        cwd=box,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     tries = json.loads(done.stdout.strip().splitlines()[-1])
     for how in ("import", "importlib", "another Python's copy", "exec of its file", "the course's own"):

@@ -6,6 +6,7 @@ sandbox's processes and kills them once the sum is over the cap; the grader then
 The unit tests drive sandbox.start and the watch directly, with small scripts; the last one grades
 fixture notebooks (chapter 99) with the real grader, as tests/test_grader.py does.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -31,8 +32,9 @@ def library(tmp_path_factory) -> Path:
     return sandbox.learner_library(tmp_path_factory.mktemp("workspace"))
 
 
-def boxed(tmp_path: Path, library: Path, level: str, code: str, cap: int, limits: dict | None = None,
-          timeout: float = 60) -> dict:
+def boxed(
+    tmp_path: Path, library: Path, level: str, code: str, cap: int, limits: dict | None = None, timeout: float = 60
+) -> dict:
     """Run `python -c code` in a sandbox under the grader's limits (or `limits`) and a memory watch."""
     box = tmp_path / f"box-{secrets.token_hex(4)}"
     box.mkdir()
@@ -58,8 +60,13 @@ def boxed(tmp_path: Path, library: Path, level: str, code: str, cap: int, limits
         watch.stop()
         sandbox.end(proc, token)
     assert threading.active_count() == threads, "the watch left a thread behind"
-    return {"rc": rc, "log": (box / "log").read_text(errors="replace"), "killed": watch.killed, "seconds": seconds,
-            "left": left}
+    return {
+        "rc": rc,
+        "log": (box / "log").read_text(errors="replace"),
+        "killed": watch.killed,
+        "seconds": seconds,
+        "left": left,
+    }
 
 
 GROWS = """
@@ -170,8 +177,12 @@ def test_the_grader_says_a_task_or_its_code_used_too_much_memory_and_other_tasks
     (home / ".ipython").mkdir(parents=True)
     cells = {
         "task_hog": [IMPORT, f"def add(a, b):\n    global HOG\n    {HOG}\n    return a + b", GOOD_CLIP],
-        "cell_hog": [IMPORT, GOOD_ADD, f"{HOG}\nimport time\ntime.sleep(5)\nLIMIT = 3.0 + 0 * len(HOG)",
-                     "def clip(x):\n    return max(-LIMIT, min(LIMIT, x))"],
+        "cell_hog": [
+            IMPORT,
+            GOOD_ADD,
+            f"{HOG}\nimport time\ntime.sleep(5)\nLIMIT = 3.0 + 0 * len(HOG)",
+            "def clip(x):\n    return max(-LIMIT, min(LIMIT, x))",
+        ],
         "hog_nobody_needs": [IMPORT, f"{HOG}\nimport time\ntime.sleep(5)", GOOD_ADD, GOOD_CLIP],
     }
     for student, source in cells.items():

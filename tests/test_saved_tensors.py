@@ -1,4 +1,5 @@
 """course_lib.chapters.ch02.saved_tensors: what autograd saves for backward, by kind and dtype, in bytes."""
+
 import torch
 
 from course_lib.chapters.ch02 import saved_tensors as ST

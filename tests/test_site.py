@@ -25,9 +25,7 @@ from course_lib.tooling.exercises import exercise_text
 for _module in ("sphinx", "myst_nb", "pydata_sphinx_theme", "sphinx_copybutton", "latex2mathml"):
     pytest.importorskip(_module, reason=f"{_module} is not installed: the edition needs pyproject.toml's `site` extra")
 
-PNG = (
-    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
-)
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 ANSWER = "    return 2 * x  # the learner's answer"
 # Sphinx and MyST warn each other about APIs their next releases drop: not the course's to fix
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::PendingDeprecationWarning")
@@ -59,12 +57,18 @@ def course(tmp_path: Path) -> Path:
         json.dumps({"provenance": {"device": "NVIDIA H100", "torch": "2.11", "date": "2026-11-26", "command": "bench"}})
     )
     chapter = notebook(
-        ("md", "[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/x)"),
+        (
+            "md",
+            "[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/x)",
+        ),
         ("code", "# @title Setup: fetch the course on Colab\nprint('hardware')"),
-        ("md", "# 00 · A chapter\n\n**Learning objectives.** The loss is $L = \\frac{1}{B}\\sum_j \\ell_j$; in code, "
-               "`$HOME` stays.\n\nRead [the loop](../course_lib/train.py), "
-               "[the exercise](../exercises/00_a_exercises.ipynb), "
-               "[its solution](../solutions/00_a_exercises.ipynb) and [section 2](#2-two)."),
+        (
+            "md",
+            "# 00 · A chapter\n\n**Learning objectives.** The loss is $L = \\frac{1}{B}\\sum_j \\ell_j$; in code, "
+            "`$HOME` stays.\n\nRead [the loop](../course_lib/train.py), "
+            "[the exercise](../exercises/00_a_exercises.ipynb), "
+            "[its solution](../solutions/00_a_exercises.ipynb) and [section 2](#2-two).",
+        ),
         ("code", "print(1 + 1)"),
         ("md", "## 2. Two"),
         ("code", 'show_reference("bench_*.json", str)'),
@@ -75,8 +79,11 @@ def course(tmp_path: Path) -> Path:
     nbformat.write(chapter, root / "notebooks" / "00_a.ipynb")
     solution = notebook(
         ("md", "# Exercise 00\n\n[Back](../notebooks/00_a.ipynb)"),
-        ("code", "def double(x):\n    ### BEGIN SOLUTION\n    return x + x\n    ### END SOLUTION\n\n\n"
-                 "check('00.double', double)"),
+        (
+            "code",
+            "def double(x):\n    ### BEGIN SOLUTION\n    return x + x\n    ### END SOLUTION\n\n\n"
+            "check('00.double', double)",
+        ),
     )
     nbformat.write(solution, root / "solutions" / "00_a_exercises.ipynb")
     from course_lib.tooling.colab import read_config
@@ -194,7 +201,7 @@ def test_no_page_holds_a_path_of_the_building_machine(course, edition):
     assert "python 3.11 .venv/bin/python" in page and "cache ~/.cache/x" in page
     assert "On this computer: <code>runs/00_a</code>" in page
     # what a run writes is not on GitHub: the trace is named, not linked
-    assert '<span class="amp-unlinked">trace.json</span>' in page and "runs/00_a/trace.json\"" not in page
+    assert '<span class="amp-unlinked">trace.json</span>' in page and 'runs/00_a/trace.json"' not in page
     planted = edition / "docs" / "gpu.html"
     planted.write_text(planted.read_text().replace("Back to the", f"Back from {course}/notebooks to the"))
     (edition / "notebooks" / "extra.txt").write_text(f"{Path.home()}/secret")

@@ -109,12 +109,20 @@ def _driver(width: int, height: int, phone: bool = False):
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROME
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", f"--window-size={width},{height}",
-                 "--disable-background-networking", "--disable-component-update", "--no-first-run"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        f"--window-size={width},{height}",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--no-first-run",
+    ):
         options.add_argument(flag)
     if phone:  # a phone's viewport and pixel ratio, as Chrome's device mode has them
-        options.add_experimental_option("mobileEmulation", {"deviceMetrics": {"width": width, "height": height,
-                                                                              "pixelRatio": 3}})
+        options.add_experimental_option(
+            "mobileEmulation", {"deviceMetrics": {"width": width, "height": height, "pixelRatio": 3}}
+        )
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(DRIVER), options=options)
     driver.set_script_timeout(30)

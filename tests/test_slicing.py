@@ -4,6 +4,7 @@ The grader and the inline check run only these in a task's process: everything a
 use (definitions, imports, what changes a needed object) must be there, and nothing else of the
 notebook may run (shell lines, magics, plots, a cell that patches the grader).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -49,26 +50,39 @@ def test_the_last_definition_decides_whether_a_task_is_a_stub():
 
 
 def test_what_a_function_uses_runs_and_nothing_else():
-    cells = ["import math, os\n!nvidia-smi\nimport matplotlib.pyplot as plt",
-             "BIAS = 15\nplt.plot([1, 2])\nprint(BIAS)",
-             "def helper(e):\n    return e - BIAS",
-             "def decode(bits):\n    return math.ldexp(1.0, helper(bits >> 10))",
-             "import course_lib.tooling.task as t\nt.respond = None",
-             "check('01.decode', decode)\nprint(decode(0x3C00))"]
+    cells = [
+        "import math, os\n!nvidia-smi\nimport matplotlib.pyplot as plt",
+        "BIAS = 15\nplt.plot([1, 2])\nprint(BIAS)",
+        "def helper(e):\n    return e - BIAS",
+        "def decode(bits):\n    return math.ldexp(1.0, helper(bits >> 10))",
+        "import course_lib.tooling.task as t\nt.respond = None",
+        "check('01.decode', decode)\nprint(decode(0x3C00))",
+    ]
     assert ran(cells, "decode") == [(1, 1), (2, 1), (3, 1), (4, 1)]
 
 
 def test_what_changes_a_needed_object_runs_too():
-    cells = ["CFG = {}", "CFG['lr'] = 0.1", "CFG.update(momentum=0.9)", "TABLE = []",
-             "def fill(t):\n    t.append(1)", "fill(TABLE)", "import torch\ntorch.manual_seed(0)\n"
-             "torch.backends.cudnn.benchmark = True\nW = torch.zeros(2)",
-             "def f(x):\n    return x * CFG['lr'] + len(TABLE) + torch.ones(1)"]
+    cells = [
+        "CFG = {}",
+        "CFG['lr'] = 0.1",
+        "CFG.update(momentum=0.9)",
+        "TABLE = []",
+        "def fill(t):\n    t.append(1)",
+        "fill(TABLE)",
+        "import torch\ntorch.manual_seed(0)\ntorch.backends.cudnn.benchmark = True\nW = torch.zeros(2)",
+        "def f(x):\n    return x * CFG['lr'] + len(TABLE) + torch.ones(1)",
+    ]
     assert ran(cells, "f") == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (6, 1), (7, 1), (7, 2), (7, 3), (8, 1)]
 
 
 def test_a_global_set_by_a_function_call_runs_the_call():
-    cells = ["H = None", "def setup():\n    global H\n    H = 5", "def init():\n    setup()", "init()",
-             "def f():\n    return H"]
+    cells = [
+        "H = None",
+        "def setup():\n    global H\n    H = 5",
+        "def init():\n    setup()",
+        "init()",
+        "def f():\n    return H",
+    ]
     assert ran(cells, "f") == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]
 
 
@@ -79,22 +93,37 @@ def test_a_function_defined_later_and_a_star_import_are_found():
 
 
 def test_calling_a_notebook_function_or_a_module_for_its_value_changes_nothing():
-    cells = ["import math\nimport torch", "def f(x):\n    return math.floor(x)",
-             "print(f(1.5))\nresult = f(2.5)\nopt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)",
-             "def run(fn):\n    return fn(3.5)", "run(f)"]
+    cells = [
+        "import math\nimport torch",
+        "def f(x):\n    return math.floor(x)",
+        "print(f(1.5))\nresult = f(2.5)\nopt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)",
+        "def run(fn):\n    return fn(3.5)",
+        "run(f)",
+    ]
     assert ran(cells, "f") == [(1, 1), (2, 1)]
 
 
 def test_objects_made_beside_a_needed_one_come_with_it():
-    cells = ["import socket\nserver = socket.socket()\nserver.bind(('127.0.0.1', 0))\nserver.listen()",
-             "client = socket.create_connection(server.getsockname())\nconn, _ = server.accept()\n"
-             "client.sendall(b'ok')\nWORKS = conn.recv(2) == b'ok'", "def f():\n    return WORKS"]
+    cells = [
+        "import socket\nserver = socket.socket()\nserver.bind(('127.0.0.1', 0))\nserver.listen()",
+        "client = socket.create_connection(server.getsockname())\nconn, _ = server.accept()\n"
+        "client.sendall(b'ok')\nWORKS = conn.recv(2) == b'ok'",
+        "def f():\n    return WORKS",
+    ]
     assert (2, 3) in ran(cells, "f")  # client.sendall: what conn.recv waits for
 
 
 def test_cells_are_read_as_ipython_runs_them_and_habits_are_noted():
-    cells = ["%pip install -q tqdm\n!nvidia-smi", "%%time\ndef f():\n    return 1", "%time X = 2",
-             "%%bash\necho hi", "f?", "/print 'hello'", "x = !ls", "def g():\n    !echo inside\n    return X"]
+    cells = [
+        "%pip install -q tqdm\n!nvidia-smi",
+        "%%time\ndef f():\n    return 1",
+        "%time X = 2",
+        "%%bash\necho hi",
+        "f?",
+        "/print 'hello'",
+        "x = !ls",
+        "def g():\n    !echo inside\n    return X",
+    ]
     nb = S.read(cells)
     assert ran(cells, "f") == [(2, 2)] and ran(cells, "g") == [(3, 1), (8, 1)]
     noted = " ".join(str(n) for n in nb.habits)
@@ -104,8 +133,11 @@ def test_cells_are_read_as_ipython_runs_them_and_habits_are_noted():
 
 
 def test_code_that_digs_into_the_interpreter_is_noted_only_where_a_task_runs_it():
-    cells = ["import gc, sys", "def f():\n    return sys._getframe(0).f_back, gc.get_objects()",
-             "exec('1')\nprint.__self__"]
+    cells = [
+        "import gc, sys",
+        "def f():\n    return sys._getframe(0).f_back, gc.get_objects()",
+        "exec('1')\nprint.__self__",
+    ]
     notes = " ".join(str(n) for n in S.needed(S.read(cells), ["f"]).digging())
     assert "sys._getframe" in notes and ".f_back" in notes and "import gc" in notes
     assert "exec" not in notes and "__self__" not in notes  # cell 3 never runs for f

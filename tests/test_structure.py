@@ -4,6 +4,7 @@ The core (course_lib/*.py) is what a learner reads; chapters/chNN/ holds what ch
 (one home per chapter, named like its notebook, check and probe); tooling/ is for instructors and
 authors. See course_lib/README.md for the map.
 """
+
 from __future__ import annotations
 
 import ast
@@ -69,6 +70,7 @@ def test_plumbing_is_small_private_and_used_by_the_core_alone(path):
 
 # --------------------------------------------------------------------------- budgets
 
+
 def test_core_fits_its_line_budget():
     sizes = {rel(p): lines(p) for p in CORE}
     too_big = {k: v for k, v in sizes.items() if v > CORE_MODULE_BUDGET}
@@ -83,8 +85,13 @@ def test_chapter_module_fits_its_line_budget(path):
 
 def formatted_lines(path: Path) -> int:
     """Lines of `path` as `ruff format` writes it: the budgets count readable code, not squeezed code."""
-    done = subprocess.run([sys.executable, "-m", "ruff", "format", "--stdin-filename", str(path), "-"],
-                          input=path.read_text(), capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--stdin-filename", str(path), "-"],
+        input=path.read_text(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return len(done.stdout.splitlines())
 
 
@@ -115,6 +122,7 @@ def test_only_modules_that_would_break_a_budget_once_formatted_are_left_unformat
 
 # --------------------------------------------------------------------------- imports
 
+
 def imported_modules(path: Path) -> set[str]:
     """Every course_lib module this file imports, at the top or inside a function."""
     name = module_name(path)
@@ -133,8 +141,12 @@ def imported_modules(path: Path) -> set[str]:
             if target.startswith("course_lib"):
                 # `from ..chapters import formats` imports the module course_lib.chapters.ch01.formats
                 subs = [f"{target}.{a.name}" for a in node.names]
-                out |= {s for s in subs if (ROOT / (s.replace(".", "/") + ".py")).exists()
-                        or (ROOT / s.replace(".", "/") / "__init__.py").exists()} or {target}
+                out |= {
+                    s
+                    for s in subs
+                    if (ROOT / (s.replace(".", "/") + ".py")).exists()
+                    or (ROOT / s.replace(".", "/") / "__init__.py").exists()
+                } or {target}
     return out - {name}
 
 
@@ -157,8 +169,11 @@ def test_there_are_no_import_cycles():
         state[node] = 1
         for nxt in graph.get(node, ()):
             if state.get(nxt) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(nxt):] + [node, nxt])
-                                     if nxt in stack else f"import cycle through {node} -> {nxt}")
+                raise AssertionError(
+                    "import cycle: " + " -> ".join(stack[stack.index(nxt) :] + [node, nxt])
+                    if nxt in stack
+                    else f"import cycle through {node} -> {nxt}"
+                )
             if nxt not in state:
                 visit(nxt, stack + [node])
         state[node] = 2
@@ -196,8 +211,9 @@ def test_every_chapter_has_one_home_named_like_its_notebook_check_and_probe():
 def cross_chapter_imports(path: Path) -> list[tuple[int, str]]:
     """(chapter, module) of every module of another chapter home that this file imports."""
     mine = chapter_of(module_name(path))
-    return sorted({(chapter_of(m), m) for m in imported_modules(path)
-                   if chapter_of(m) is not None and chapter_of(m) != mine})
+    return sorted(
+        {(chapter_of(m), m) for m in imported_modules(path) if chapter_of(m) is not None and chapter_of(m) != mine}
+    )
 
 
 @pytest.mark.parametrize("path", CHAPTER_MODULES + CHAPTER_INITS, ids=rel)
@@ -259,6 +275,7 @@ def test_a_notebook_imports_its_own_chapter_home_or_earlier_ones(path):
 
 # --------------------------------------------------------------------------- chapter back-links
 
+
 @cache
 def chapter_sources(nn: str) -> tuple[str, str] | None:
     """(code, markdown) of chapter nn's notebook, solution and exercise; None if it has none."""
@@ -266,8 +283,10 @@ def chapter_sources(nn: str) -> tuple[str, str] | None:
     if not paths:
         return None
     cells = [c for p in paths for c in nbformat.read(p, as_version=4).cells]
-    return ("\n".join(c.source for c in cells if c.cell_type == "code"),
-            "\n".join(c.source for c in cells if c.cell_type == "markdown"))
+    return (
+        "\n".join(c.source for c in cells if c.cell_type == "code"),
+        "\n".join(c.source for c in cells if c.cell_type == "markdown"),
+    )
 
 
 def uses(nn: str, name: str) -> bool:
@@ -313,8 +332,11 @@ def test_a_chapter_home_holds_what_its_chapter_introduces(path):
     # The first chapter a docstring names is where the name is introduced: its home is that chapter's.
     mine = chapter_of(module_name(path))
     docs = dict(documented(path))
-    elsewhere = [f"{n} (Chapter {TAG.match(docs[n]).group(1)[:2]})" for n in public_names(path)
-                 if n in docs and TAG.match(docs[n]) and int(TAG.match(docs[n]).group(1)[:2]) != mine]
+    elsewhere = [
+        f"{n} (Chapter {TAG.match(docs[n]).group(1)[:2]})"
+        for n in public_names(path)
+        if n in docs and TAG.match(docs[n]) and int(TAG.match(docs[n]).group(1)[:2]) != mine
+    ]
     assert not elsewhere, f"{rel(path)} is chapter {mine:02d}'s home but holds what others introduce: {elsewhere}"
 
 
@@ -339,13 +361,17 @@ def test_tooling_carries_no_chapter_tags(path):
 
 def test_the_back_link_check_catches_false_and_dangling_tags(tmp_path):
     fake = tmp_path / "fake.py"
-    fake.write_text('__all__ = ["decompose", "nowhere_used"]\n\n'
-                    'def decompose():\n    """Chapter 01: really used there."""\n\n\n'
-                    'def nowhere_used():\n    """Chapters 01, 02: used in neither."""\n\n\n'
-                    'class Later:\n    def method(self):\n        """Chapter 97: a chapter that does not exist."""\n')
-    assert false_tags(fake) == ["nowhere_used: tagged Chapter 01, whose notebooks never use `nowhere_used`",
-                                "nowhere_used: tagged Chapter 02, whose notebooks never use `nowhere_used`",
-                                "Later.method: tagged Chapter 97, which has no notebook yet"]
+    fake.write_text(
+        '__all__ = ["decompose", "nowhere_used"]\n\n'
+        'def decompose():\n    """Chapter 01: really used there."""\n\n\n'
+        'def nowhere_used():\n    """Chapters 01, 02: used in neither."""\n\n\n'
+        'class Later:\n    def method(self):\n        """Chapter 97: a chapter that does not exist."""\n'
+    )
+    assert false_tags(fake) == [
+        "nowhere_used: tagged Chapter 01, whose notebooks never use `nowhere_used`",
+        "nowhere_used: tagged Chapter 02, whose notebooks never use `nowhere_used`",
+        "Later.method: tagged Chapter 97, which has no notebook yet",
+    ]
 
 
 # --------------------------------------------------------------------------- learners' view
@@ -368,8 +394,9 @@ def test_teaching_notebooks_never_import_tooling(path):
     assert not [i for i in notebook_imports(path) if i.startswith("course_lib.tooling")]
 
 
-@pytest.mark.parametrize("path", sorted([*(ROOT / "solutions").glob("*.ipynb"), *(ROOT / "exercises").glob("*.ipynb")]),
-                         ids=rel)
+@pytest.mark.parametrize(
+    "path", sorted([*(ROOT / "solutions").glob("*.ipynb"), *(ROOT / "exercises").glob("*.ipynb")]), ids=rel
+)
 def test_exercises_take_exactly_one_name_from_tooling(path):
     tooling = {i for i in notebook_imports(path) if i.startswith("course_lib.tooling")}
     assert tooling == {"course_lib.tooling:check"}

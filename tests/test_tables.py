@@ -1,4 +1,5 @@
 """course_lib.tables.table: rows of dicts or dataclasses as aligned text, the course's one table printer."""
+
 from dataclasses import dataclass
 
 from course_lib.tables import table

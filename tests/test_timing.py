@@ -1,4 +1,5 @@
 """course_lib.timing: warm-up + median timing with its spread, and peak memory."""
+
 import pytest
 
 from course_lib import timing
@@ -21,8 +22,14 @@ def test_timing_reports_the_median_and_the_middle_half_not_the_outlier():
 
 def test_compare_names_the_faster_by_its_factor_and_admits_when_the_spread_hides_it():
     base = timing.Timing([10.0, 10.5, 11.0, 11.5, 12.0])
-    text = timing.compare({"fp32": base, "fast": timing.Timing([4.0, 4.5, 5.0, 5.5, 6.0]),
-                           "same": timing.Timing([10.2, 10.8, 11.2, 11.6, 12.4])}, "fp32")
+    text = timing.compare(
+        {
+            "fp32": base,
+            "fast": timing.Timing([4.0, 4.5, 5.0, 5.5, 6.0]),
+            "same": timing.Timing([10.2, 10.8, 11.2, 11.6, 12.4]),
+        },
+        "fp32",
+    )
     fast, same = text.split("\nsame")
     assert "2.20x faster" in fast and "larger than the spread" in fast
     assert "slower" in same and "cannot tell them apart" in same

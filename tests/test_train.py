@@ -1,4 +1,5 @@
 """course_lib.train: one loop, three precisions; each test breaks if the loop's rules break."""
+
 import math
 
 import pytest
@@ -72,7 +73,7 @@ def test_accumulating_four_micro_batches_equals_one_four_times_larger_batch():
     x, y = data(64)[:]
     big, acc = make("fp32"), make("fp32", accum_steps=4)
     big.train_step([(x, y)])
-    acc.train_step([(x[i:i + 16], y[i:i + 16]) for i in range(0, 64, 16)])
+    acc.train_step([(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)])
     for p, q in zip(big.model.parameters(), acc.model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert big.history.loss[0] == pytest.approx(acc.history.loss[0], rel=1e-5)
@@ -103,7 +104,7 @@ def test_resume_from_checkpoint_continues_bit_identically(tmp_path, precision):
     straight.fit(make_loader(ds, 16, seed=1))
 
     first = make(precision, epochs=2, accum_steps=2, growth_interval=3, max_steps=4)
-    first.fit(make_loader(ds, 16, seed=1))          # stops mid-epoch 1 (3 steps per epoch)
+    first.fit(make_loader(ds, 16, seed=1))  # stops mid-epoch 1 (3 steps per epoch)
     first.save_checkpoint(tmp_path / "ckpt.pt")
     second = make(precision, seed=123, epochs=2, accum_steps=2, growth_interval=3)  # different init
     second.load_checkpoint(tmp_path / "ckpt.pt")
@@ -116,13 +117,14 @@ def test_resume_from_checkpoint_continues_bit_identically(tmp_path, precision):
     assert second.history.scale == straight.history.scale
     if precision == "fp16":
         assert straight.scaler.state_dict() == second.scaler.state_dict()
-        assert straight.history.scale[-1] > 2.0 ** 16  # grew after 3 clean steps: scaler state was resumed
+        assert straight.history.scale[-1] > 2.0**16  # grew after 3 clean steps: scaler state was resumed
 
 
 def test_fit_returns_history_with_eval_and_checkpoint(tmp_path):
     ds = data(64)
-    cfg = TrainConfig(precision="fp32", device="cpu", epochs=2, progress=False,
-                      checkpoint_path=str(tmp_path / "run.pt"))
+    cfg = TrainConfig(
+        precision="fp32", device="cpu", epochs=2, progress=False, checkpoint_path=str(tmp_path / "run.pt")
+    )
     torch.manual_seed(0)
     model = MLP(in_features=64, hidden=32)
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg)
@@ -149,6 +151,7 @@ def test_a_step_budget_that_ends_the_run_mid_epoch_still_evaluates():
 
 def test_auto_precision_is_the_device_policy():
     from course_lib.device import recommend_precision
+
     assert make("auto").precision == recommend_precision("cpu").precision
 
 
@@ -181,6 +184,7 @@ def test_every_training_step_of_the_course_is_the_one_amp_step(monkeypatch):
     def spy(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
+
     for module in (train, accumulation, ddp_worker, ladder, speedup):
         monkeypatch.setattr(module, "amp_step", spy)
     t = make("bf16")
@@ -192,6 +196,7 @@ def test_every_training_step_of_the_course_is_the_one_amp_step(monkeypatch):
     tokens = torch.randint(0, 32, (2, 8))
     ladder._gpt_step(gpt, torch.optim.SGD(gpt.parameters(), lr=0.1), tokens, tokens, "bf16", t.scaler)()
     assert len(calls) == 4
-    speedup.run_script({"train_size": 64, "test_size": 16, "max_steps": 2, "batch_size": 32, "precision": "fp32"},
-                       device="cpu")
+    speedup.run_script(
+        {"train_size": 64, "test_size": 16, "max_steps": 2, "batch_size": 32, "precision": "fp32"}, device="cpu"
+    )
     assert len(calls) == 6

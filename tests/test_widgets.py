@@ -1,4 +1,5 @@
 """course_lib.chapters.ch01.widgets: the bit explorer's pure logic, its static fallbacks, the live widget."""
+
 import copy
 import math
 import sys
@@ -12,8 +13,18 @@ from course_lib.chapters.ch01.formats import decompose
 from course_lib.tooling.nbtools import without_widget_views
 
 
-@pytest.mark.parametrize("text, want", [("0.1", 0.1), (" 1e-8 ", 1e-8), ("2**-24", 2.0**-24), ("2^-24", 2.0**-24),
-                                        ("-inf", -math.inf), ("65504 + 16", 65520.0), ("-(1/3)", -1 / 3)])
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("0.1", 0.1),
+        (" 1e-8 ", 1e-8),
+        ("2**-24", 2.0**-24),
+        ("2^-24", 2.0**-24),
+        ("-inf", -math.inf),
+        ("65504 + 16", 65520.0),
+        ("-(1/3)", -1 / 3),
+    ],
+)
 def test_parse_number_reads_numbers_and_simple_arithmetic(text, want):
     assert W.parse_number(text) == want
 
@@ -36,13 +47,16 @@ def test_bit_positions_count_from_the_sign_bit():
         W.field_of(16, "fp16")
 
 
-@pytest.mark.parametrize("fmt, pattern, position, want", [
-    ("fp16", 0x3C00, 0, 0xBC00),    # sign: 1.0 -> -1.0
-    ("fp16", 0x3C00, 15, 0x3C01),   # last mantissa bit: 1 + 2^-10
-    ("fp16", 0x3C00, 1, 0x7C00),    # top exponent bit of 1.0: 01111 -> 11111, inf
-    ("bf16", 0x3F80, 1, 0x7F80),    # the same in bf16
-    ("fp8_e4m3fn", 0x7E, 7, 0x7F),  # 448 -> the NaN pattern
-])
+@pytest.mark.parametrize(
+    "fmt, pattern, position, want",
+    [
+        ("fp16", 0x3C00, 0, 0xBC00),  # sign: 1.0 -> -1.0
+        ("fp16", 0x3C00, 15, 0x3C01),  # last mantissa bit: 1 + 2^-10
+        ("fp16", 0x3C00, 1, 0x7C00),  # top exponent bit of 1.0: 01111 -> 11111, inf
+        ("bf16", 0x3F80, 1, 0x7F80),  # the same in bf16
+        ("fp8_e4m3fn", 0x7E, 7, 0x7F),  # 448 -> the NaN pattern
+    ],
+)
 def test_flip_bit_flips_the_drawn_bit(fmt, pattern, position, want):
     assert W.flip_bit(pattern, position, fmt) == want
     assert W.flip_bit(want, position, fmt) == pattern  # flipping twice is the identity
@@ -78,8 +92,13 @@ def test_the_explorer_shows_what_fate_says_and_torch_stores(value):
     # 65519.99999 is inf in fp16 for torch (float64 -> float32 65520.0 -> tie -> inf): the explorer showed
     # inf while fate() said it rounds to 65504. Each row's kind must be the one fate() names.
     from course_lib.chapters.ch01.format_limits import fate
-    words = {"overflow": {"inf", "nan", "normal"}, "underflow": {"zero"}, "subnormal": {"subnormal"},
-             "normal": {"normal"}}
+
+    words = {
+        "overflow": {"inf", "nan", "normal"},
+        "underflow": {"zero"},
+        "subnormal": {"subnormal"},
+        "normal": {"normal"},
+    }
     for d in W.explorer_rows(value):
         kind = fate(value, d.format)
         assert d.kind in words[kind], (d.format, d.kind, kind)
@@ -93,6 +112,7 @@ def test_the_explorer_shows_what_fate_says_and_torch_stores(value):
 def test_e4m3fn_row_for_inf_says_what_this_torch_stores(x):
     # e4m3fn has no inf: its row read "448.0 / inf (overflow)", an inf that is not there.
     import torch
+
     stored = torch.tensor([x]).to(torch.float8_e4m3fn).float().item()  # 448 with x's sign, or NaN (older torch)
     row = next(line for line in W.static_text(x).splitlines() if line.startswith("fp8_e4m3fn"))
     table = W.static_html(x)
@@ -143,8 +163,13 @@ def test_explorer_falls_back_to_the_tables_without_ipywidgets(monkeypatch):
 def test_live_widget_clicks_typing_and_format_changes_update_the_view():
     e = W.bit_explorer(1.0, edit_format="fp16")
     box = e.widget()
-    number, table, fmt, bits, meaning = box.children[0].children[0], box.children[1], box.children[2], \
-        box.children[3], box.children[4]
+    number, table, fmt, bits, meaning = (
+        box.children[0].children[0],
+        box.children[1],
+        box.children[2],
+        box.children[3],
+        box.children[4],
+    )
     assert [b.description for b in bits.children] == list("0011110000000000")
     bits.children[0].click()  # the sign bit
     assert number.value == "-1.0" and e.state.value == -1.0 and "-1.0" in table.value
@@ -193,11 +218,13 @@ def test_the_explorer_cell_stores_both_static_tables():
 
 def test_without_widget_views_drops_only_views_whose_model_is_not_saved():
     bundle = W.bit_explorer(0.1)._repr_mimebundle_()
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(outputs=[
-        nbformat.v4.new_output("display_data", data=copy.deepcopy(bundle))])])
+    nb = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell(outputs=[nbformat.v4.new_output("display_data", data=copy.deepcopy(bundle))])]
+    )
     kept = copy.deepcopy(nb)
-    kept.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {
-        "state": {bundle[W.WIDGET_VIEW]["model_id"]: {}}}}
+    kept.metadata["widgets"] = {
+        "application/vnd.jupyter.widget-state+json": {"state": {bundle[W.WIDGET_VIEW]["model_id"]: {}}}
+    }
     assert without_widget_views(nb) is True and without_widget_views(nb) is False
     assert set(nb.cells[0].outputs[0]["data"]) == {"text/plain", "text/html"}
     assert without_widget_views(kept) is False and W.WIDGET_VIEW in kept.cells[0].outputs[0]["data"]

@@ -27,8 +27,10 @@ def chapter_paths(chapter: str) -> list[str]:
     paths = [p for folder in folders for p in sorted((ROOT / folder).glob(f"{chapter}_*.ipynb"))]
     if not paths:
         raise SystemExit(f"there is no chapter {chapter}: no notebooks/{chapter}_*.ipynb")
-    home = re.compile(rf"course_lib[./]chapters[./]ch{chapter}\b|tooling[./]checks[./]ch{chapter}\b"
-                      rf"|checks import .*\bch{chapter}\b|checks_for\(\"{chapter}\"\)|\"{chapter}\.[a-z]\w*\"")
+    home = re.compile(
+        rf"course_lib[./]chapters[./]ch{chapter}\b|tooling[./]checks[./]ch{chapter}\b"
+        rf"|checks import .*\bch{chapter}\b|checks_for\(\"{chapter}\"\)|\"{chapter}\.[a-z]\w*\""
+    )
     tests = [p for p in sorted((ROOT / "tests").glob("test_*.py")) if home.search(p.read_text(encoding="utf-8"))]
     checks = ROOT / "tests" / f"test_checks_ch{chapter}.py"
     if checks.exists() and checks not in tests:

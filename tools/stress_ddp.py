@@ -11,6 +11,7 @@ failure this guards against (a rank aborting at exit, after its work) showed up 
 was busy, so `--busy` child processes spin for the whole loop. Failed runs keep their folder (logs,
 and with --core-dumps a `core` file from an aborting rank for gdb); passed ones are deleted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     if opts.core_dumps:  # inherited by torchrun and the ranks; the core lands in the rank's cwd, the run's folder
         resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     parent = Path(tempfile.mkdtemp(prefix="stress-ddp-"))
-    print(f"{opts.runs} launches of {args} with {opts.busy} core(s) kept busy; failed runs stay in {parent}",
-          flush=True)
+    print(
+        f"{opts.runs} launches of {args} with {opts.busy} core(s) kept busy; failed runs stay in {parent}", flush=True
+    )
     busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(opts.busy)]
     times, failures, t_all = [], [], time.monotonic()
     try:
@@ -104,9 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     ok = opts.runs - len(failures)
     if not failures:
         shutil.rmtree(parent, ignore_errors=True)
-    print(f"{ok}/{opts.runs} runs succeeded in {(time.monotonic() - t_all) / 60:.1f} min (per run: median "
-          f"{statistics.median(times):.1f} s, min {min(times):.1f}, max {max(times):.1f})"
-          + (f"; failed: {failures}" if failures else ""))
+    print(
+        f"{ok}/{opts.runs} runs succeeded in {(time.monotonic() - t_all) / 60:.1f} min (per run: median "
+        f"{statistics.median(times):.1f} s, min {min(times):.1f}, max {max(times):.1f})"
+        + (f"; failed: {failures}" if failures else "")
+    )
     return 1 if failures else 0
 
 

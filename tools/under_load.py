@@ -110,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         if pytest is not None and pytest.poll() is None:
             stop_pytest(pytest)
         stop_busy(busy)
-    print(f"under_load: pytest exited with {code} after {time.monotonic() - t0:.0f} s "
-          f"with {opts.busy} core(s) kept busy", flush=True)
+    print(
+        f"under_load: pytest exited with {code} after {time.monotonic() - t0:.0f} s with {opts.busy} core(s) kept busy",
+        flush=True,
+    )
     return code
 
 
