@@ -266,11 +266,34 @@ def diagnose(
         m.zero_grad(set_to_none=True)  # gradients left over in your notebook are not the loop's doing
     batches = list(batches)
     rng = rng_states()  # restored at the end: diagnosing leaves your RNG where it was
-    error = None
-    caught = []
     check = accum_steps > 1 and loss_fn is not None and len(models) == 1 and len(opts) == 1
     rec = Recorder(models_c, opts_c, scaler_c, train, snapshots=check)
     enabled = scaler_c is not None and scaler_c.is_enabled()
+    found = _low_precision_parameters(models)
+    _run_watched(
+        rec,
+        train,
+        tuple(models_c) if many_models else models_c[0],
+        tuple(opts_c) if many_opts else opts_c[0],
+        scaler_c,
+        batches,
+    )
+    notes: list[str] = []
+    found = {**_analyse(rec, enabled, accum_steps, notes), **found}
+    if check and rec.error is None:
+        grads, note = _grad_check(rec, models[0], batches, loss_fn)
+        found = {**grads, **found}
+        notes = [note, *notes]
+    restore_rng_states(rng)
+    scales = _scales(scaler, scaler_c)
+    return Report(findings(found, rec.error), summary(rec.events, len(batches), scales), rec.events, notes)
+
+
+# --------------------------------------------------------------------------- diagnose's instruments
+
+
+def _low_precision_parameters(models: list[nn.Module]) -> dict:
+    """The finding for parameters stored in 16 bits (autocast expects fp32 ones), or none."""
     low = sorted(
         {
             str(p.dtype).removeprefix("torch.")
@@ -279,31 +302,23 @@ def diagnose(
             if p.dtype in (torch.float16, torch.bfloat16)
         }
     )
-    found = {"fp16_params": SEEN["fp16_params"].format(dtypes=", ".join(low))} if low else {}
+    return {"fp16_params": SEEN["fp16_params"].format(dtypes=", ".join(low))} if low else {}
+
+
+def _run_watched(rec: Recorder, train: Callable, model, optimizer, scaler, batches: list) -> None:
+    """Run the loop under the recorder; what it warned and what it raised go on `rec` (they are diagnosis too)."""
+    caught = []
     try:
         with rec, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            train(
-                tuple(models_c) if many_models else models_c[0],
-                tuple(opts_c) if many_opts else opts_c[0],
-                scaler_c,
-                batches,
-            )
+            train(model, optimizer, scaler, batches)
     except Exception as e:  # the loop's own error is part of the diagnosis
-        error = e
+        rec.error = e
     rec.warnings = [str(w.message) for w in caught]
-    rec.error = error
-    notes: list[str] = []
-    found = {**_analyse(rec, enabled, accum_steps, notes), **found}
-    if check and error is None:
-        grads, note = _grad_check(rec, models[0], batches, loss_fn)
-        found = {**grads, **found}
-        notes = [note, *notes]
-    restore_rng_states(rng)
-    if enabled:
-        scales = (scaler.get_scale(), scaler_c.get_scale())  # yours, untouched, and the copy's after the loop
-    elif scaler_c is None:
-        scales = "no GradScaler"
-    else:
-        scales = "GradScaler disabled"
-    return Report(findings(found, error), summary(rec.events, len(batches), scales), rec.events, notes)
+
+
+def _scales(scaler: torch.amp.GradScaler | None, scaler_c: torch.amp.GradScaler | None) -> tuple | str:
+    """Yours, untouched, and the copy's after the loop; or why there is no scale."""
+    if scaler_c is not None and scaler_c.is_enabled():
+        return (scaler.get_scale(), scaler_c.get_scale())
+    return "no GradScaler" if scaler_c is None else "GradScaler disabled"

@@ -173,14 +173,15 @@ def run_script(settings: dict | None = None, device: str = "auto") -> dict:
 
     Returns seconds (data preparation, training and every evaluation: the wall time from the
     raw images in memory to the final accuracy), the final test accuracy, the optimizer steps,
-    samples trained on, evaluations run and losses read back.
+    samples trained on, evaluations run and losses read back. The script is the lesson; the
+    clock and the counts (`_Tally`), evaluation and anomaly mode are its instruments, below.
     """
     s = validate_settings(settings or {})
     dev = pick_device(device)
     precision = recommend_precision(dev).precision if s["precision"] == "auto" else s["precision"]
     dtype = AMP_DTYPES[precision]
     train_x, train_y, test_x, test_y = _uint8(s["train_size"], s["test_size"])
-    t0 = time.perf_counter()
+    tally = _Tally()  # the clock starts here
     torch.manual_seed(s["seed"])
     model = MLP(hidden=256, depth=2).to(dev)
     impl = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
@@ -188,51 +189,67 @@ def run_script(settings: dict | None = None, device: str = "auto") -> dict:
     scaler = torch.amp.GradScaler(dev.type, enabled=precision == "fp16")
     train = _batches(s, train_x, train_y, dev, shuffle=True)
     test = _batches(s, test_x, test_y, dev, shuffle=False)
-
-    def autocast() -> torch.autocast:
-        return torch.autocast(dev.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
-
-    def evaluate() -> float:
-        model.eval()
-        correct = torch.zeros((), device=dev)
-        with torch.no_grad(), autocast():
-            for x, y in test:
-                correct += (model(x.to(dev)).argmax(1) == y.to(dev)).sum()
-        model.train()
-        return correct.item() / len(test_y)
-
-    steps = 0
-    samples = 0
-    evals = 0
-    log = []  # the losses read back, where the settings read them
-    anomaly = contextlib.nullcontext()
-    if s["detect_anomaly"]:
-        with warnings.catch_warnings():  # torch warns that anomaly mode "will increase the runtime"
-            warnings.simplefilter("ignore")
-            anomaly = torch.autograd.detect_anomaly()
-    with anomaly:
+    with _anomaly_mode(s["detect_anomaly"]):
         for _ in range(s["epochs"]):
             for x, y in train:
-                if s["max_steps"] is not None and steps >= s["max_steps"]:
+                if s["max_steps"] is not None and tally.steps >= s["max_steps"]:
                     break
                 step = amp_step(model, opt, scaler, [(x.to(dev), y.to(dev))], dtype)  # the course's AMP step
-                steps, samples = steps + 1, samples + len(y)
-                if steps % s["log_every"] == 0:
-                    log.append(step.loss.item())  # a device-to-host copy: the host waits for the GPU
-                if s["eval_every"] and steps % s["eval_every"] == 0:
-                    evaluate()
-                    evals += 1
-    accuracy = evaluate()
-    return {
-        "seconds": time.perf_counter() - t0,
-        "accuracy": accuracy,
-        "steps": steps,
-        "samples": samples,
-        "evaluations": evals + 1,
-        "losses_read": len(log),
-        "precision": precision,
-        "device": str(dev),
-    }
+                tally.step(len(y))
+                if tally.steps % s["log_every"] == 0:
+                    tally.losses.append(step.loss.item())  # a device-to-host copy: the host waits for the GPU
+                if s["eval_every"] and tally.steps % s["eval_every"] == 0:
+                    _evaluate(model, test, len(test_y), dev, dtype)
+                    tally.evaluations += 1
+    accuracy = _evaluate(model, test, len(test_y), dev, dtype)
+    return tally.result(accuracy, precision, dev)
+
+
+# --------------------------------------------------------------------------- run_script's instruments
+
+
+class _Tally:
+    """The clock and the counts of one run_script run: what it did, beside what it teaches."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.steps = self.samples = self.evaluations = 0
+        self.losses: list[float] = []  # the losses read back, where the settings read them
+
+    def step(self, samples: int) -> None:
+        self.steps, self.samples = self.steps + 1, self.samples + samples
+
+    def result(self, accuracy: float, precision: str, dev: torch.device) -> dict:
+        return {
+            "seconds": time.perf_counter() - self.t0,
+            "accuracy": accuracy,
+            "steps": self.steps,
+            "samples": self.samples,
+            "evaluations": self.evaluations + 1,  # and the final one
+            "losses_read": len(self.losses),
+            "precision": precision,
+            "device": str(dev),
+        }
+
+
+def _evaluate(model: torch.nn.Module, test, n: int, dev: torch.device, dtype: torch.dtype | None) -> float:
+    """The test accuracy, under the run's autocast; the model back in training mode after."""
+    model.eval()
+    correct = torch.zeros((), device=dev)
+    with torch.no_grad(), torch.autocast(dev.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        for x, y in test:
+            correct += (model(x.to(dev)).argmax(1) == y.to(dev)).sum()
+    model.train()
+    return correct.item() / n
+
+
+def _anomaly_mode(on: bool) -> contextlib.AbstractContextManager:
+    """torch.autograd.detect_anomaly where the settings ask for it, without its warning about the runtime."""
+    if not on:
+        return contextlib.nullcontext()
+    with warnings.catch_warnings():  # torch warns that anomaly mode "will increase the runtime"
+        warnings.simplefilter("ignore")
+        return torch.autograd.detect_anomaly()
 
 
 def format_result(label: str, r: dict) -> str:
