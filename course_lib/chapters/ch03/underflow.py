@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from course_lib.chapters.ch01.format_limits import fates
 from course_lib.chapters.ch03.scaler import f32
@@ -151,7 +152,7 @@ def shifted_gradient_runs(
     exactly 0, over the run), "scale" (the last one; 1 without a scaler), "gap" (the largest difference
     of the final parameters from fp32's at the first shift)}."""
     rows, reference = [], None
-    for k in shifts:
+    for k in tqdm(shifts, desc="shifts", leave=False):  # seconds each: a bar while it runs, closed after
         for mode in _MODES:
             torch.manual_seed(0)
             model = make_model()

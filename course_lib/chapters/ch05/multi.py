@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from course_lib.reference import record
 from course_lib.tables import table
@@ -223,11 +224,13 @@ def train_gan(
     seed: int = 0,
     lr: float = 1e-3,
     growth_interval: int = 2000,
+    progress: bool = False,
 ) -> tuple[Generator, Discriminator, GanHistory]:
     """Chapter 05: train the MLP GAN for `steps` iterations on `images` (N, 1, 28, 28) in [-1, 1].
 
     Adam with beta1 = 0.5, as in the DCGAN paper; the models live on images.device. A short
     `growth_interval` lets a short run show the scaler growing the scale and backing off.
+    `progress`: a bar while it trains (closed at the end, as chapter 07's sweeps are).
     """
     device = images.device
     with torch.random.fork_rng(devices=[]):  # seeded models, the global random state left alone
@@ -239,7 +242,7 @@ def train_gan(
     hist = GanHistory(mode=mode.name)
     g = torch.Generator().manual_seed(seed)
     t0 = last = time.perf_counter()
-    for _ in range(steps):
+    for _ in tqdm(range(steps), desc=f"GAN {mode.name}", leave=False, disable=not progress):
         idx = torch.randint(0, len(images), (batch_size,), generator=g).to(device)
         z = torch.randn(batch_size, gen.z_dim, generator=g).to(device)
         hist.scale.append(scaler.get_scale() if scaler.is_enabled() else 1.0)
