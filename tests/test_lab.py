@@ -64,6 +64,12 @@ def test_make_lab_serves_the_whole_course_from_the_repository_root(tmp_path):
         assert "00_setup_exercises.ipynb" in {item["name"] for item in listing["content"]}
         status, page = get("/lab")
         assert status == 200 and b"JupyterLab" in page
+        # the course's plugin (a notebook only opened is not modified) is offered and served
+        config = json.loads(re.search(rb'id="jupyter-config-data"[^>]*>(.*?)</script>', page, re.S).group(1))
+        ours = [e for e in config["federated_extensions"] if e["name"] == "amp-course-lab"]
+        assert ours, [e["name"] for e in config["federated_extensions"]]
+        status, script = get(f"/lab/extensions/amp-course-lab/{ours[0]['load']}")
+        assert status == 200 and b"amp-course-lab:unchanged-is-not-dirty" in script
         # the page it opens on is chapter 00 (LabApp.default_url)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/?token={token}", timeout=30) as r:
             assert r.url.split("?")[0].endswith("/lab/tree/notebooks/00_setup.ipynb")

@@ -6,6 +6,7 @@ checkout (its working tree copied in and committed: the course as it stands now)
 - chapters 00, 07 and 10 are run (Run All), saved, closed with their kernel shut down and opened
   again: no output may read "Error displaying widget", and each progress bar shows its last
   state or nothing; chapter 10's explorer, reopened, shows its saved-picture note, never while live;
+  a reopened chapter is not marked modified (course_lib/tooling/labextension);
 - `git status` in the clone is clean after those saves (the clean filter `make lab` configures).
 
 It takes a few minutes on 2 cores, so it runs only when asked, with `COURSE_BROWSER_TESTS=1`,
@@ -311,6 +312,8 @@ def test_a_learner_runs_saves_and_reopens_chapters_00_07_and_10(tmp_path):
                     record[f"reopened_{again}"] = wait_for(f"{path}'s widgets to render", rendered, 60)
                 except TimeoutError:
                     record[f"reopened_{again}"] = driver.execute_script(JS_WIDGETS, path)  # the assertions say so
+                # restoring saved widgets marked a reopened chapter modified 1-1.5 s after it loaded
+                record[f"dirty_{again}"] = driver.execute_script(JS_STATE, path)["dirty"]
                 if record["widget_cells"]:
                     driver.execute_script(JS_SHOW_CELL, path, record["widget_cells"][0])
                 driver.save_screenshot(str(shots / f"{chapter}-{again + 1}-reopened.png"))
@@ -334,6 +337,7 @@ def test_a_learner_runs_saves_and_reopens_chapters_00_07_and_10(tmp_path):
             shown = record[f"reopened_{again}"]
             errors = [w for w in shown if w["shows"] in ("error", "loading")]
             assert not errors, f"{chapter} reopened ({again}) with {len(errors)} widgets in error or unloaded: {errors}"
+            assert record[f"dirty_{again}"] is False, f"{chapter} reopened ({again}) marked modified, nothing changed"
             # each bar as it ended (the bars a run closes, as chapter 07's sweeps do, stay away)
             assert [w["text"] for w in shown] == [w["text"] for w in record["after_run"]], chapter
         # the explorer says it is a saved picture where it is drawn, reopened; never while live

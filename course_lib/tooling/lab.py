@@ -26,6 +26,12 @@ After each save it asks git to compare the notebook again through the course's c
 (course_lib/tooling/notebook_filter.py, which `make lab` configures): a chapter whose only change is its
 outputs then shows as unmodified, and `git pull` can update it.
 
+A notebook that was only opened stays unmodified. JupyterLab's widget manager marks a notebook
+modified for every saved widget it restores, 1-1.5 s after opening it, with nothing changed. The
+course's one JupyterLab plugin (labextension/amp-course-lab, plain JavaScript with no build step,
+passed as LabApp.extra_labextensions_path) clears that mark whenever the notebook's contents
+equal what was last read from or written to disk; running or editing a cell changes them.
+
 The URL it prints. `make lab` opens chapter 00 with the file browser at the course's top folder
 (LabApp.default_url with `?file-browser-path=/`); jupyter_server prints that URL with `?token=...`
 appended, so a remote or headless learner (LAB_ARGS=--no-browser) got two `?`, a URL whose token the
@@ -64,6 +70,7 @@ __all__ = [
 
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 NOTEBOOK_FILTER = Path(__file__).resolve().with_name("notebook_filter.py")
+EXTENSIONS = Path(__file__).resolve().with_name("labextension")  # amp-course-lab: see "only opened" above
 _BAR = re.compile(r"\d+%\|.*\| *\d+/")  # tqdm's text: "train fp32:   0%|          | 0/50 [...]"
 _REFERENCE = re.compile(r"IPY_MODEL_([0-9a-f]+)")  # how a widget's state names another widget
 
@@ -214,7 +221,8 @@ def main(argv: list[str] | None = None) -> None:
             return one_query(super()._get_urlparts(*args, **kwargs))
 
     LabApp.serverapp_class = CourseServerApp
-    LabApp.launch_instance(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    LabApp.launch_instance([f"--LabApp.extra_labextensions_path={EXTENSIONS}", *argv])
 
 
 if __name__ == "__main__":
