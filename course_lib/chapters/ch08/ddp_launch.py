@@ -11,11 +11,14 @@ interrupt, torchrun and every worker are stopped: no process and no port outlive
 DDPRunError names the rank that failed first (also one that crashed exiting, after its work).
 Without `out`, a run's files go to runs/08_distributed/<name>/ in the course (git-ignored, emptied
 at the start of each launch of that name), never to the system's temporary folder.
+With nnodes > 1 (launch(..., nnodes=2)), a multi-node job on this machine: one torchrun agent per node,
+the same command but for its log folder logs/node<k>/ (with its torchrun.log); a c10d rendezvous numbers them.
 Each rank runs course_lib.chapters.ch08.ddp_worker; course_lib.chapters.ch08.distributed checks what a run computed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -29,7 +32,7 @@ import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -38,6 +41,7 @@ __all__ = ["DDPRunError", "DDPTimeout", "DDPRun", "torchrun_command", "launch"]
 WORKER = "course_lib.chapters.ch08.ddp_worker"
 TOKEN_VAR = "AMP_COURSE_DDP_RUN"  # every process of one launch carries it: found and stopped by it
 WIDTH = 100  # printed lines
+PORT_TAKEN = ("address already in use", "RendezvousConnectionError")  # an agent found another program on the port
 RUNS = Path(__file__).resolve().parents[3] / "runs" / "08_distributed"  # git-ignored: /runs/ in .gitignore
 
 
@@ -61,8 +65,9 @@ class DDPRun:
     out: Path
     returncode: int | None = None
     seconds: float = 0.0
-    logs: dict[int, dict[str, str]] = field(default_factory=dict)  # rank -> {"stdout": ..., "stderr": ...}
-    launcher_log: str = ""
+    logs: dict[int, dict[str, str]] = field(default_factory=dict)  # global rank -> {"stdout": ..., "stderr": ...}
+    launcher_log: str = ""  # several nodes: every agent's torchrun.log, one after the other
+    commands: list[list[str]] = field(default_factory=list)  # one per torchrun agent (node); [] means [command]
 
     @property
     def summary(self) -> dict:
@@ -111,7 +116,8 @@ class DDPRun:
         """Chapter 08: print each rank's log (stdout, then stderr if any), lines cut at 100 characters.
 
         Longer logs show their first and last max_lines // 2 lines, or with tail=True their last max_lines."""
-        print(textwrap.fill("$ " + " ".join(self.command), WIDTH, subsequent_indent="      ", break_on_hyphens=False))
+        for command in self.commands or [self.command]:
+            print(textwrap.fill("$ " + " ".join(command), WIDTH, subsequent_indent="      ", break_on_hyphens=False))
         for rank in ranks if ranks is not None else sorted(self.logs):
             for stream in ("stdout", "stderr") if stderr else ("stdout",):
                 lines = self.logs.get(rank, {}).get(stream, "").splitlines()
@@ -166,8 +172,10 @@ def torchrun_command(
     return cmd
 
 
-def _environment(nproc: int, token: str) -> dict[str, str]:
+def _environment(nproc: int, token: str, rendezvous_log: bool = False) -> dict[str, str]:
     env = {**os.environ, TOKEN_VAR: token, "PYTHONUNBUFFERED": "1"}
+    if rendezvous_log:  # the agent logs at INFO, its rendezvous' result too: the global ranks its workers got
+        env["LOGLEVEL"] = "INFO"
     # torchrun sets OMP_NUM_THREADS=1 (with a banner) unless told: share the cores instead.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     loopback = (
@@ -192,18 +200,17 @@ def _pids_with_token(token: str) -> list[int]:
     return found
 
 
-def _stop(proc: subprocess.Popen, token: str, grace: float = 10.0) -> None:
+def _stop(procs: list[subprocess.Popen], token: str, grace: float = 10.0) -> None:
     """torchrun turns SIGTERM into stopping its workers; whatever is still alive afterwards is killed."""
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        if proc.poll() is None:
-            try:
+        running = [proc for proc in procs if proc.poll() is None]
+        for proc in running:
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # gone meanwhile
                 os.killpg(proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                proc.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                pass
+        deadline = time.monotonic() + wait
+        for proc in running:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
     _reap(token)
 
 
@@ -218,11 +225,26 @@ def _reap(token: str) -> None:
         time.sleep(0.05)
 
 
-def _read_logs(log_dir: Path) -> dict[int, dict[str, str]]:
+def _read_logs(log_dir: Path, ranks: dict[int, int] | None = None) -> dict[int, dict[str, str]]:
+    """Each rank's logs; torchrun files them by local rank, `ranks` maps those to global ranks (one node of many)."""
     logs: dict[int, dict[str, str]] = {}
     for path in sorted(p for p in log_dir.glob("**/attempt_*/*/std*.log") if p.parent.name.isdigit()):
         text = path.read_text("utf-8", "replace")
-        logs.setdefault(int(path.parent.name), {"stdout": "", "stderr": ""})[path.stem] = text
+        rank = int(path.parent.name) if ranks is None else ranks[int(path.parent.name)]
+        logs.setdefault(rank, {"stdout": "", "stderr": ""})[path.stem] = text
+    return logs
+
+
+def _read_node_logs(node_dirs: list[Path], nproc: int) -> dict[int, dict[str, str]]:
+    """Every node's ranks' logs by global rank, as each agent's torchrun.log says the rendezvous numbered them:
+    a node's rank need not be the order the agents were started in. (k * nproc + local if an agent did not say.)"""
+    logs = {}
+    for k, folder in enumerate(node_dirs):
+        said = (folder / "torchrun.log").read_text(errors="replace") if (folder / "torchrun.log").exists() else ""
+        ranks = {r: k * nproc + r for r in range(nproc)}
+        for local, rank in re.findall(r"local_ranks=\[([\d, ]*)\].*?global_ranks=\[([\d, ]*)\]", said, re.S):
+            ranks = dict(zip(map(int, re.findall(r"\d+", local)), map(int, re.findall(r"\d+", rank))))
+        logs.update(_read_logs(folder, ranks))
     return logs
 
 
@@ -278,6 +300,36 @@ def _exit_line(run: DDPRun, rank: int, code: int, first: int) -> str:
     return f"rank {rank} finished its work but crashed while exiting: exit {how}" + f", last said {said!r}" * bool(said)
 
 
+def _free_port() -> int:
+    """A port nobody listens on now, for the c10d rendezvous: bound with port 0, the OS picks it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _agents(
+    commands: list[list[str]], logs: list[Path], out: Path, env: dict[str, str], deadline: float, read_logs, say
+) -> int | None:
+    """Start one torchrun agent per command, each writing its file of `logs`, and wait for them (`_wait`).
+    On a failure, the deadline or an interrupt every process of the launch is stopped, the agents first."""
+    token, procs = env[TOKEN_VAR], []
+    spawn = {"stdin": subprocess.DEVNULL, "cwd": out, "env": env, "start_new_session": True}
+    try:
+        for command, path in zip(commands, logs):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "wb") as log:  # the agent writes into its own copy of the file handle
+                procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, **spawn))
+        code = _wait(procs, deadline, read_logs, say)
+        if code != 0:  # None: the deadline; else one agent failed and the others may wait for it
+            _stop(procs, token)
+        return code
+    except BaseException:  # KeyboardInterrupt (Jupyter's stop button), a grader's time limit
+        _stop(procs, token)
+        raise
+    finally:
+        _reap(token)  # normally nothing is left; this makes sure of it
+
+
 def run_folder(name: str) -> Path:
     """runs/08_distributed/<name>/ in the course, emptied: where a launch without `out` writes."""
     if not re.fullmatch(r"[\w.-]+", name) or name.strip(".") == "":
@@ -289,19 +341,21 @@ def run_folder(name: str) -> Path:
     return folder
 
 
-def _wait(proc: subprocess.Popen, deadline: float, log_dir: Path, say) -> int | None:
-    """proc's exit code, or None at the deadline; meanwhile say() rank 0's newest log line, at most one
-    a second, so that a launch of several seconds shows where it is."""
+def _wait(procs: list[subprocess.Popen], deadline: float, read_logs: Callable[[], dict], say) -> int | None:
+    """0 once every agent exited cleanly, the first failing one's exit code as soon as one fails, or None at the
+    deadline; meanwhile say() rank 0's newest log line, at most one a second: a launch shows where it is."""
     shown, t0 = "", time.monotonic()
     last = t0
     while True:
-        try:
-            return proc.wait(timeout=max(0.0, min(0.25, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            if time.monotonic() >= deadline:
-                return None
+        codes = [proc.poll() for proc in procs]
+        failed = [code for code in codes if code not in (None, 0)]
+        if failed or None not in codes:
+            return failed[0] if failed else 0
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(max(0.0, min(0.25, deadline - time.monotonic())))
         if time.monotonic() - last >= 1.0:
-            lines = _read_logs(log_dir).get(0, {}).get("stdout", "").splitlines()
+            lines = read_logs().get(0, {}).get("stdout", "").splitlines()
             if lines and lines[-1] != shown:
                 shown, last = lines[-1], time.monotonic()
                 say(f"{last - t0:5.1f} s  {shown}")
@@ -317,6 +371,7 @@ def launch(
     out: str | Path | None = None,
     name: str = "run",
     progress: bool = False,
+    nnodes: int = 1,
 ) -> DDPRun:
     """Chapter 08: run `script` (or `module`) in `nproc` processes under torchrun on this machine.
 
@@ -325,6 +380,9 @@ def launch(
     exited cleanly; raises DDPRunError naming the rank that failed first, or DDPTimeout after
     `timeout` seconds. Either way (and on Ctrl-C) no process of the run is left. progress=True
     prints a line as the run starts, rank 0's newest line about once a second, and one at the end.
+    nnodes > 1 (chapter 12) starts one torchrun agent per "node", `nproc` processes each, which meet
+    at a c10d rendezvous on 127.0.0.1; the run's logs are keyed by global rank, its `commands` are the
+    agents' command lines, and when one agent fails the others are stopped.
     """
     out = Path(out) if out is not None else run_folder(name)
     out.mkdir(parents=True, exist_ok=True)
@@ -336,34 +394,37 @@ def launch(
 
     token = secrets.token_hex(8)
     target = [str(script)] if script is not None else ["-m", module]
-    cmd = torchrun_command(nproc, log_dir=out / "logs") + target + [str(out), *map(str, args)]
-    run = DDPRun(cmd, out)
+    program = target + [str(out), *map(str, args)]
     where = out.relative_to(RUNS.parents[1]) if out.is_relative_to(RUNS.parents[1]) else out
-    if progress:
-        print(f"torchrun: {nproc} processes, outputs in {where}/ (each rank imports torch first)", flush=True)
     t0 = time.monotonic()
-    with open(out / "torchrun.log", "wb") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=out,
-            env=_environment(nproc, token),
-            start_new_session=True,
-        )
-        try:
-            run.returncode = _wait(proc, t0 + timeout, out / "logs", say)
-            if run.returncode is None:
-                _stop(proc, token)
-        except BaseException:  # KeyboardInterrupt (Jupyter's stop button), a grader's time limit
-            _stop(proc, token)
-            raise
-        finally:
-            _reap(token)  # normally nothing is left; this makes sure of it
+    if progress:
+        who = f"{nproc} processes" if nnodes == 1 else f"{nnodes} nodes x {nproc} rank{'s' * (nproc > 1)}"
+        print(f"torchrun: {who}, outputs in {where}/ (each rank imports torch first)", flush=True)
+    if nnodes == 1:
+        run = DDPRun(torchrun_command(nproc, log_dir=out / "logs") + program, out)
+        launcher_logs, read_logs = [out / "torchrun.log"], lambda: _read_logs(out / "logs")
+        env = _environment(nproc, token)
+        run.returncode = _agents([run.command], launcher_logs, out, env, t0 + timeout, read_logs, say)
+    else:
+        node_dirs = [out / "logs" / f"node{k}" for k in range(nnodes)]
+        launcher_logs, read_logs = [d / "torchrun.log" for d in node_dirs], lambda: _read_node_logs(node_dirs, nproc)
+        for _attempt in range(2):  # a second one if someone took the port before the agents did
+            shutil.rmtree(out / "logs", ignore_errors=True)  # the first attempt's
+            endpoint = f"127.0.0.1:{_free_port()}"
+            commands = [  # the same command on every node but for its log folder: the rendezvous numbers the nodes
+                torchrun_command(nproc, nnodes=nnodes, rdzv_endpoint=endpoint, rdzv_id=token, log_dir=d) + program
+                for d in node_dirs
+            ]
+            run = DDPRun(commands[0], out, commands=commands)
+            say(f"{nnodes} torchrun agents meet at a c10d rendezvous on {endpoint}")
+            env = _environment(nproc * nnodes, token, rendezvous_log=True)
+            run.returncode = _agents(commands, launcher_logs, out, env, t0 + timeout, read_logs, say)
+            said = " ".join(p.read_text(errors="replace") for p in launcher_logs if p.exists())
+            if run.returncode in (0, None) or not any(m in said for m in PORT_TAKEN):
+                break
     run.seconds = time.monotonic() - t0
-    run.logs = _read_logs(out / "logs")
-    run.launcher_log = (out / "torchrun.log").read_text(errors="replace")
+    run.logs = read_logs()
+    run.launcher_log = "".join(p.read_text(errors="replace") for p in launcher_logs if p.exists())
     if run.returncode == 0:
         ending = "every rank finished"
     elif run.returncode is not None:
@@ -374,9 +435,9 @@ def launch(
     if run.returncode is None:
         last = {
             r: (run.logs.get(r, {}).get("stdout", "").strip().splitlines() or ["(nothing)"])[-1][:80]
-            for r in range(nproc)
+            for r in range(nproc * nnodes)
         }
-        waiting = [r for r in range(nproc) if "] done" not in last[r]]
+        waiting = [r for r in range(nproc * nnodes) if "] done" not in last[r]]
         raise DDPTimeout(
             f"no result after {timeout:g} s, so every process of the run was stopped; unfinished: "
             + "; ".join(f"rank {r}, last printed {last[r]!r}" for r in waiting),
