@@ -142,7 +142,8 @@ def test_the_untouched_exercise_is_not_attempted():
         raise NotImplementedError("Exercise: write your solution here")
 
     assert verdict("12.rank_bytes", stub)[0] == "not attempted"
-    assert verdict("12.fix_sharding", stub)[0] == "not attempted"
+    # below the chapter's floor the check says first that it needs a newer torch
+    assert verdict("12.fix_sharding", stub)[0] == ("not attempted" if torch_at_least(FLOOR) else "not graded")
 
 
 def test_calling_the_chapters_predictor_is_refused_in_the_task_process():

@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -27,6 +26,7 @@ import torch.nn as nn
 
 from course_lib.chapters.ch08.ddp_launch import launch
 from course_lib.tables import table
+from course_lib.timing import time_fn
 
 __all__ = [
     "FLOOR",
@@ -345,23 +345,24 @@ def fsdp_step_cuda(steps: int = 20, d: int = 1024, h: int = 4096, depth: int = 8
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         x = torch.randn(batch, d, device=device)
         y = torch.randint(0, d, (batch,), device=device)
-        times = []
-        for _ in range(steps + 3):  # 3 warm-up steps, not timed
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
+        losses = []
+
+        def step() -> None:
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        times = sorted(times[3:])
+            losses.append(loss.detach())
+
+        torch.cuda.reset_peak_memory_stats(device)  # this step's peak, not an earlier cell's
+        timing = time_fn(step, warmup=3, iters=steps, device=device)  # CUDA events, after 3 warm-up steps
         result = {
             "world": dist.get_world_size(),
             "gpu": torch.cuda.get_device_name(device),
-            "ms_per_step": 1e3 * times[len(times) // 2],
+            "ms_per_step": timing.median_ms,
+            "timing": str(timing),
             "peak_bytes": torch.cuda.max_memory_allocated(device),
-            "loss": loss.item(),
+            "loss": losses[-1].item(),
             "params": sum(p.numel() for p in model.parameters()),
             "sharded_param_dtype": _name(next(model.parameters()).to_local().dtype),
         }
