@@ -34,6 +34,11 @@ MOVED = {  # issue 28: one home per chapter
     "course_lib.chapters.loading": "course_lib.chapters.ch07.loading",
     "course_lib.chapters.distributed": "course_lib.chapters.ch08.distributed",
     "course_lib.chapters.ladder": "course_lib.chapters.ch09.ladder",
+    # issue 45: tools/gpu_study.py's studies moved into the chapters that read them
+    "tools/gpu_study.py questions": "course_lib.chapters.ch09.record_questions",
+    "tools/gpu_study.py memory": "course_lib.chapters.ch10.record_memory",
+    "tools/gpu_study.py roofline": "course_lib.chapters.ch11.record_roofline",
+    "tools/gpu_study.py fp8gpt": "course_lib.chapters.ch11.record_fp8",
 }
 
 

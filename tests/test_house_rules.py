@@ -5,7 +5,8 @@ the rules a reviewer used to keep by reading: one precision -> dtype map, tables
 `course_lib.tables.table`, no verdict computed in a cell about a result the prose can state,
 no code cell over 40 lines, and maps (course_lib/README.md, the chapter indexes, tooling's module
 list, the README's Layout block) that say what is there. Each rule has a test that plants a violation and shows the
-check catches it. tools/ is outside these rules for now: its recorder moves into the chapters.
+check catches it. tools/ calls the library and writes none of it again: no second AMP step, dtype
+map or timer (its GPU studies moved into the chapters' recorders, issue 45).
 """
 
 from __future__ import annotations
@@ -93,6 +94,61 @@ def test_the_dtype_map_check_catches_a_retyped_map():
         'FP8 = {"e4m3": torch.float8_e4m3fn}\n'
     )  # fp8 formats are not precisions of AMP
     assert [f.split(":")[0] for f in retyped_dtype_maps(planted)] == ["line 1", "line 2"]
+
+
+# --------------------------------------------------------------------------- tools/ holds no second library
+
+TOOLS = sorted((ROOT / "tools").glob("*.py"))
+# The core holds each of these once: the AMP step (course_lib.train.amp_step: autocast around forward
+# and loss, a GradScaler, backward), the precision -> dtype map (AMP_DTYPES) and the timer
+# (course_lib.timing.time_fn: synchronized clocks, CUDA events). A script in tools/ calls them, or a
+# chapter's recorder that does; time.monotonic for a whole run's wall time or a deadline is no timer.
+AMP_STEP_NAMES = {"autocast", "GradScaler", "backward", "amp_train_step"}
+TIMER_NAMES = {"Event", "elapsed_time", "synchronize", "perf_counter", "perf_counter_ns", "process_time"}
+
+
+def second_library(tree: ast.AST) -> list[str]:
+    """What a script writes again that the core holds once: an AMP step, a dtype map, a timer."""
+    found = [f"{f.split(':')[0]}: the precision -> dtype map" for f in retyped_dtype_maps(tree)]
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, (ast.ImportFrom, ast.Import)):
+            names = [a.name.rsplit(".", 1)[-1] for a in node.names]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names = [node.name]
+        for name in names:
+            if name in AMP_STEP_NAMES:
+                found.append(f"line {node.lineno}: an AMP step ({name}); use course_lib.train.amp_step")
+            elif name in TIMER_NAMES:
+                found.append(f"line {node.lineno}: a timer ({name}); use course_lib.timing.time_fn")
+    return sorted(found, key=lambda f: int(f.split()[1].rstrip(":")))
+
+
+@pytest.mark.parametrize("path", TOOLS, ids=rel)
+def test_tools_write_no_second_amp_step_dtype_map_or_timer(path):
+    found = second_library(ast.parse(path.read_text()))
+    assert not found, f"{rel(path)} writes again what the core holds once: {found}"
+
+
+def test_the_second_library_check_catches_a_step_a_map_and_a_timer():
+    assert second_library(ast.parse((PKG / "train.py").read_text())), "the one AMP step itself is found"
+    assert second_library(ast.parse((PKG / "timing.py").read_text())), "the one timer itself is found"
+    planted = ast.parse(
+        "import time\n"
+        'DTYPES = {"fp32": None, "bf16": torch.bfloat16}\n'
+        "def step():\n"
+        "    with torch.autocast('cuda', dtype=torch.bfloat16):\n"
+        "        loss = model(x)\n"
+        "    scaler.scale(loss).backward()\n"
+        "t0 = time.perf_counter()\n"
+        "start = torch.cuda.Event(enable_timing=True)\n"
+        "took = time.monotonic() - t0\n"  # a run's wall time: allowed
+    )
+    assert [f.split(":")[0] for f in second_library(planted)] == ["line 2", "line 4", "line 6", "line 7", "line 8"]
 
 
 # --------------------------------------------------------------------------- tables through tables.table

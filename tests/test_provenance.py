@@ -120,18 +120,22 @@ def test_a_moved_command_maps_to_its_current_module_and_nothing_else_does():
     for current in (
         "python -m course_lib.chapters.ch00.bench --json b.json",
         "python -m course_lib.chapters.benchmark",
-        "python tools/gpu_study.py roofline",
+        "python tools/gpu_study.py",
+        "python tools/celltimes.py a.xml",
         "python -m course_lib.chapters.matmul",
     ):
         assert now(current) is None, current
 
 
 def test_a_script_that_moved_into_a_module_maps_too(monkeypatch):
-    monkeypatch.setitem(_provenance.MOVED, "tools/gpu_study.py roofline", "course_lib.chapters.ch11.roofline record")
     assert reference.current_command("python tools/gpu_study.py roofline --json r.json --deadline 36") == (
-        "python -m course_lib.chapters.ch11.roofline record --json r.json --deadline 36"
+        "python -m course_lib.chapters.ch11.record_roofline --json r.json --deadline 36"
     )
-    assert reference.current_command("python tools/gpu_study.py memory --json m.json") is None
+    monkeypatch.setitem(_provenance.MOVED, "tools/study.py a", "course_lib.chapters.ch11.record_roofline")
+    assert reference.current_command("python tools/study.py a --json a.json") == (
+        "python -m course_lib.chapters.ch11.record_roofline --json a.json"
+    )
+    assert reference.current_command("python tools/study.py b --json b.json") is None  # its other subcommand stays
 
 
 def exists(name: str) -> bool:

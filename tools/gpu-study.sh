@@ -2,8 +2,9 @@
 # One device call for issue 32 (docs/gpu.md): the GPU studies, exclusive on the GPU, then the GPU tier
 # in lanes whose JUnit files give every notebook's seconds per cell.
 #   source .gpu/enter.sh && bash tools/gpu-study.sh
-# Phase 1 (one at a time, timings): tools/gpu_study.py roofline, memory, questions, fp8gpt (torchao
-#   from .gpu/alt/, the first version whose float8 training imports and runs).
+# Phase 1 (one at a time, timings): the chapters' GPU recorders, each writing data/reference/<name>_<gpu>.json:
+#   roofline (ch11.record_roofline), memory (ch10.record_memory), questions (ch09.record_questions),
+#   fp8gpt (ch11.record_fp8; torchao from .gpu/alt/, the first version whose float8 training imports and runs).
 # Phase 2 (side by side): the ten chapters in three nbval lanes (4 CPU threads each) and
 #   tests/ + exercises/ on 4 xdist workers (1 thread each); then tools/celltimes.py.
 # Everything comes back as $OUT/gpu-study.tgz (data/reference/*.json and the logs).
@@ -22,20 +23,20 @@ python3 -m course_lib.device > "$LOGS/device.txt" 2>&1
 gpu=$(python3 -c "import re, torch; n = torch.cuda.get_device_name(0).lower().replace('nvidia', '') if torch.cuda.is_available() else 'cpu'
 print(re.sub('[^a-z0-9]+', '-', n).strip('-'))")
 echo "gpu=$gpu start $(date -u +%FT%TZ)" > "$SUMMARY"
-study() {  # name cap [args...]
-  local name=$1 cap=$2; shift 2
+study() {  # name cap module [args...]: python -m course_lib.chapters.<module> --json data/reference/<name>_<gpu>.json
+  local name=$1 cap=$2 module=$3; shift 3
   local l=$(( PHASE2_AT - (SECONDS - T0) ))
   if [ "$l" -lt 30 ]; then echo "SKIP $name (phase 1 out of time)" >> "$SUMMARY"; return 0; fi
   [ "$cap" -gt "$l" ] && cap=$l
   local s=$SECONDS
-  timeout -k 5 "$cap" python3 tools/gpu_study.py "$name" --json "data/reference/${name}_$gpu.json" \
+  timeout -k 5 "$cap" python3 -m "course_lib.chapters.$module" --json "data/reference/${name}_$gpu.json" \
     --deadline $((cap * 6 / 10)) "$@" > "$LOGS/$name.log" 2>&1
   echo "$name rc=$? $((SECONDS - s))s (at $((SECONDS - T0))s)" >> "$SUMMARY"
   pack
 }
-study roofline 60
-study memory 80
-study questions 190 --deadline 110
+study roofline 60 ch11.record_roofline
+study memory 80 ch10.record_memory
+study questions 190 ch09.record_questions --deadline 110
 # torchao: the newest carried wheel whose float8 training runs on this torch
 for whl in $(ls -r .gpu/alt/torchao-*.whl 2>/dev/null); do
   rm -rf /tmp/ao && python3 -m pip install -q --no-index --no-deps --target /tmp/ao "$whl" >/dev/null 2>&1
@@ -46,7 +47,7 @@ convert_to_float8_training(m); m(torch.randn(32, 64, device='cuda')).sum().backw
     echo "torchao: $(basename "$whl")" >> "$SUMMARY"
     old_path=${PYTHONPATH:-}
     export PYTHONPATH=/tmp/ao:${PYTHONPATH:-}
-    study fp8gpt 150
+    study fp8gpt 150 ch11.record_fp8
     export PYTHONPATH=$old_path
     break
   fi

@@ -4,6 +4,8 @@
 - ladder.py: The optimisation ladder of chapter 09: one change per rung, each measured, in one run.
 - parity.py: Does mixed precision learn the same model? Chapter 09's answer, measured against seed
   noise.
+- record_questions.py: Records chapter 09's open performance questions on a GPU: one profiled step
+  of each workload (the trace readers and timer chapter 11's recorders share).
 - recorded_profiles.py: What the recorded GPU profiles say, chapter 09: each function reads a
   recorded file and returns sentences computed from its numbers.
 - rungs.py: The ladder's rungs, chapter 09: what a rung is, the first ladder (the course's own

@@ -1,11 +1,12 @@
 """What the recorded GPU profiles say, chapter 09: each function reads a recorded file and returns sentences
 computed from its numbers.
 
-`tools/gpu_study.py questions` profiled three open questions on a GPU (questions_<gpu>.json): why the course's
-small CNN gets slower with AMP there (`read_host_bound`), why fp16 trains ResNet-50 faster than bf16
-(`read_batch_norm`), and what holds the GPT's MFU (`read_mfu`). `tools/gpu_study.py roofline` timed the GPT's
-output layer with the real and the padded vocabulary (`read_vocab_padding`; `vocab_padding_times` measures
-it here). `read_checkpointing` reads the checkpointing rows of the ladder in bytes.
+`python -m course_lib.chapters.ch09.record_questions` profiled three open questions on a GPU
+(questions_<gpu>.json): why the course's small CNN gets slower with AMP there (`read_host_bound`), why
+fp16 trains ResNet-50 faster than bf16 (`read_batch_norm`), and what holds the GPT's MFU (`read_mfu`).
+Chapter 11's `record_roofline` timed the GPT's output layer with the real and the padded vocabulary
+(`read_vocab_padding`; `vocab_padding_times` measures it here). `read_checkpointing` reads the
+checkpointing rows of the ladder in bytes.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@
 - explorer.py: The memory explorer: every option of a GPT step moved, its predicted peak redrawn
   by kind (a widget with a static picture).
 - master_weights.py: Pure bf16 weights with fp32 master copies: the fix for w + Δw == w.
+- record_memory.py: Records the memory of training steps on a GPU, phase by phase: what
+  recorded.py predicts.
 - recorded.py: A recorded GPU run's memory, predicted row by row with CUDA's rules.
 
 Its exercises are checked by course_lib/tooling/checks/ch10.py; the half of each check that runs

@@ -1,6 +1,6 @@
 """A recorded GPU run's memory, predicted row by row with CUDA's rules (chapter 10, section 10).
 
-`tools/gpu_study.py memory` measured each step on a GPU with the caching allocator's own counter
+`python -m course_lib.chapters.ch10.record_memory` measured each step on a GPU with the caching allocator's own counter
 (`torch.cuda.max_memory_allocated`, reset at the start of each phase; data/reference/memory_*.json).
 Each row becomes a `Step` with `device="cuda"` and the run's loop: it keeps only the loss
 (`model(x, y)[1]`, so the logits go after the forward), uses fused (or foreach) AdamW or SGD with

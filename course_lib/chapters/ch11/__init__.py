@@ -6,6 +6,9 @@
   the roofline's rules; a host-bound step predicted from its kernel count.
 - fp8.py: FP8 matmuls by hand: formats, tensorwise and rowwise scales, and what torch._scaled_mm
   computes.
+- record_roofline.py: Records a GPU's roofline: its ceilings, Tensor-Core shapes, fp8 matmuls and
+  profiled steps.
+- record_fp8.py: Records GPT-2 small trained in bf16 against torchao's float8 recipes.
 - microscaling.py: Microscaling by hand: MXFP8, MXFP4 and NVFP4 block scales (e8m0, e4m3), packed
   4-bit codes, the floor and round-up rules, bit for bit with torchao's to_mx.
 

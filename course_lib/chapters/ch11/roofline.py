@@ -263,7 +263,7 @@ def format_roofline_rows(rows: list[dict]) -> str:
 
 
 def recorded_ceilings(ref: dict) -> Ceilings:
-    """Chapter 11: a recorded GPU's ceilings (roofline_<gpu>.json, tools/gpu_study.py roofline): the
+    """Chapter 11: a recorded GPU's ceilings (roofline_<gpu>.json, ch11.record_roofline): the
     fastest matmul it measured per dtype, its copy bandwidth (bytes read plus written), and a
     one-element op launched back to back."""
     flops: dict[str, float] = {}

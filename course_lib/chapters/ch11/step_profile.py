@@ -401,7 +401,7 @@ def cuda_graph_rows(batch: int = 256, iters: int = 50) -> list[dict]:
     Autocast runs with `cache_enabled=False`: `torch.cuda.make_graphed_callables`, PyTorch's own way
     of capturing, refuses autocast's cache of casted weights (torch/cuda/graphs.py), and so does this."""
     if not torch.cuda.is_available():
-        raise RuntimeError("CUDA graphs need a CUDA GPU; read the recorded rows (tools/gpu_study.py roofline)")
+        raise RuntimeError("CUDA graphs need a CUDA GPU; read the recorded rows (ch11.record_roofline)")
     from course_lib.models import SimpleCNN
 
     amp, rows = mixed_precision_for("cuda"), []  # bf16 from Ampere on; fp16 on a T4 or V100 (bf16 emulated)
