@@ -1,6 +1,6 @@
 """course_lib.chapters.ch12 (shard_memory, memory_worker, fake_world): FSDP2's bytes per rank, predicted and measured.
 
-One real launch for the whole module (4 gloo processes: N = 4, 2 and 1 in sub-groups, six
+One real launch for the whole module (4 gloo processes: N = 4, 2 and 1 in sub-groups, three
 configurations, FSDPMemTracker in every rank, about 20 s on 2 cores) and three fake-world
 subprocesses (the chapter's model at N = 2 and 4; an odd-sized model at N = 3 and 8, played by its
 last rank, whose shards are partly or wholly padding, with every optimizer and reduction; GPT-2
@@ -34,6 +34,7 @@ from course_lib.chapters.ch12.shard_memory import (
 )
 from course_lib.device import torch_at_least
 
+MEASURED = ("fp32", "bf16", "bf16-none")  # of REAL_CONFIGS
 pytestmark = [
     pytest.mark.slow,  # a real torchrun launch and three fake-world processes: left out by make test-fast
     pytest.mark.skipif(not torch_at_least(FLOOR), reason=f"chapter 12 needs torch >= {FLOOR} (gloo's AVG)"),
@@ -42,7 +43,9 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def real() -> list[dict]:
-    return with_predictions(measure_real(batch=64, nproc=4))
+    # the configurations whose state or buffers differ (reshard_after_forward=False changes the peak only;
+    # the notebook measures it)
+    return with_predictions(measure_real(batch=64, nproc=4, configs=MEASURED))
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +138,7 @@ def test_predict_fake_refuses_unknown_models_configs_and_optimizers():
 
 def test_every_rank_of_the_real_run_holds_what_was_predicted_to_the_byte(real):
     assert sorted({(r["world"], r["rank"]) for r in real}) == [(1, 0), (2, 0), (2, 1), (4, 0), (4, 1), (4, 2), (4, 3)]
-    assert {r["config"] for r in real} == set(REAL_CONFIGS)
+    assert {r["config"] for r in real} == set(MEASURED) and set(MEASURED) <= set(REAL_CONFIGS)
     for r in real:
         assert r["measured"] == r["predicted"], (r["world"], r["rank"], r["config"])
 
@@ -168,12 +171,12 @@ def test_the_fake_world_matches_predictions_where_shards_are_padded():
     rows = predict_fake(
         [3, 8],
         "odd",
-        configs=("fp32", "bf16", "bf16-none", "fp32-reduce-bf16"),
+        configs=("fp32", "bf16-none", "fp32-reduce-bf16"),  # every dtype a buffer can have
         rank=7,
         batch=4,
         optimizers=("adamw", "sgd", "sgd_momentum"),
     )
-    assert len(rows) == 2 * 4 * 3 and {r["rank"] for r in rows} == {2, 7}
+    assert len(rows) == 2 * 3 * 3 and {r["rank"] for r in rows} == {2, 7}
     for r in with_predictions(rows):
         assert r["measured"] == r["predicted"], (r["world"], r["config"], r["optimizer"])
     assert not dist.is_initialized()  # the fake group lived in the subprocess only
