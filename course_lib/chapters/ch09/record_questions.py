@@ -338,26 +338,31 @@ def summary(payload: dict) -> str:
     return "\n".join(lines)
 
 
-def recorder_arguments(prog: str, doc: str) -> argparse.ArgumentParser:
-    """The arguments every GPU recorder of chapters 09-11 takes: --json, --device, --deadline."""
-    p = argparse.ArgumentParser(prog=f"python -m {prog}", description=doc.splitlines()[0])
+def run_recorder(
+    module: str,
+    doc: str,
+    study: Callable[[torch.device, float], dict],
+    summary: Callable[[dict], str],
+    argv: list[str] | None = None,
+) -> int:
+    """What every GPU recorder of chapters 09 and 11 does from its command line: parse --json, --device and
+    --deadline (seconds after which optional parts are skipped), run `study(device, deadline)` (the deadline
+    as a time.monotonic() value, infinity without one), print `summary` of its payload and record both with
+    the command that made them (course_lib.reference.record)."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.splitlines()[0])
     p.add_argument("--json", help="also write the payload with its provenance (data/reference/<name>_<gpu>.json)")
     p.add_argument("--device", default="auto")
     p.add_argument("--deadline", type=float, default=None, help="seconds after which optional parts are skipped")
-    return p
-
-
-def deadline_of(seconds: float | None) -> float:
-    """--deadline's seconds from now as a time.monotonic() value (no deadline: infinity)."""
-    return time.monotonic() + seconds if seconds else float("inf")
+    args = p.parse_args(argv)
+    deadline = time.monotonic() + args.deadline if args.deadline else float("inf")
+    payload = study(pick_device(args.device), deadline)
+    words = " ".join(argv if argv is not None else sys.argv[1:])
+    record(f"python -m {module} {words}", summary(payload), args.json, **payload)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = recorder_arguments("course_lib.chapters.ch09.record_questions", __doc__).parse_args(argv)
-    payload = questions(pick_device(args.device), deadline_of(args.deadline))
-    words = " ".join(argv if argv is not None else sys.argv[1:])
-    record(f"python -m course_lib.chapters.ch09.record_questions {words}", summary(payload), args.json, **payload)
-    return 0
+    return run_recorder("course_lib.chapters.ch09.record_questions", __doc__, questions, summary, argv)
 
 
 if __name__ == "__main__":

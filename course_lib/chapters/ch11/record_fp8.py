@@ -17,9 +17,7 @@ import time
 
 import torch
 
-from course_lib.chapters.ch09.record_questions import deadline_of, gpt_setup, one_step, recorder_arguments
-from course_lib.device import pick_device
-from course_lib.reference import record
+from course_lib.chapters.ch09.record_questions import gpt_setup, one_step, run_recorder
 from course_lib.timing import synchronize, time_fn
 
 __all__: list[str] = []  # a recorder: the chapter reads its file through chapter 09's read_fp8
@@ -117,11 +115,7 @@ def summary(payload: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = recorder_arguments("course_lib.chapters.ch11.record_fp8", __doc__).parse_args(argv)
-    payload = fp8_gpt(pick_device(args.device), deadline_of(args.deadline))
-    words = " ".join(argv if argv is not None else sys.argv[1:])
-    record(f"python -m course_lib.chapters.ch11.record_fp8 {words}", summary(payload), args.json, **payload)
-    return 0
+    return run_recorder("course_lib.chapters.ch11.record_fp8", __doc__, fp8_gpt, summary, argv)
 
 
 if __name__ == "__main__":

@@ -19,17 +19,15 @@ import torch
 
 from course_lib.chapters.ch09.record_questions import (
     back_to_back_ms,
-    deadline_of,
     gpt_setup,
     one_step,
     op_table,
     profile_trace,
-    recorder_arguments,
+    run_recorder,
 )
 from course_lib.chapters.ch11.fp8 import amax_scales, fp8_matmul, to_fp8
-from course_lib.device import pick_device, tf32
+from course_lib.device import tf32
 from course_lib.models import SimpleCNN
-from course_lib.reference import record
 from course_lib.tables import table
 from course_lib.timing import time_fn
 
@@ -199,12 +197,10 @@ def summary(out: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = recorder_arguments("course_lib.chapters.ch11.record_roofline", __doc__).parse_args(argv)
-    deadline_of(args.deadline)  # accepted as the other recorders take it: every part here is kept
-    out = roofline(pick_device(args.device))
-    words = " ".join(argv if argv is not None else sys.argv[1:])
-    record(f"python -m course_lib.chapters.ch11.record_roofline {words}", summary(out), args.json, **out)
-    return 0
+    # --deadline is accepted as the other recorders take it: every part here is kept
+    return run_recorder(
+        "course_lib.chapters.ch11.record_roofline", __doc__, lambda device, _: roofline(device), summary, argv
+    )
 
 
 if __name__ == "__main__":

@@ -226,7 +226,7 @@ def _near(got: float, values: list[float]) -> bool:
 class RankBytes(Check):
     name, args, points = "12.rank_bytes", ("rank_bytes",), 3
     hint = (
-        "Chapter 12 (per-rank bytes): per parameter, c = ceil(d0/N) rows; rank r holds min(c, d0 - r·c) of them "
+        "Chapter 12, section 1: per parameter, c = ceil(d0/N) rows; rank r holds min(c, d0 - r·c) of them "
         "(0 or more) and stores c (padded). Sharded parameters: fp32, stored. Optimizer: on the rows held "
         "(AdamW: 2 × 4 bytes, plus a 4-byte step per tensor). Gradients: fp32, stored size. Buffers: the "
         "largest unit, world × stored, in param_dtype (all-gather) and reduce_dtype or param_dtype "
@@ -318,7 +318,7 @@ class RankBytes(Check):
 class FixSharding(Check):
     name, args, points = "12.fix_sharding", ("shard",), 3
     hint = (
-        "Chapter 12 (precision traps): keep the model fp32 and let MixedPrecisionPolicy(param_dtype=torch.bfloat16) "
+        "Chapter 12, section 3: keep the model fp32 and let MixedPrecisionPolicy(param_dtype=torch.bfloat16) "
         "cast each unit as it is gathered; fully_shard every block, then the root; output_dtype=torch.float32 on "
         "the root's policy only (a block's fp32 output would reach the root's bf16 head)."
     )
